@@ -1,0 +1,118 @@
+"""Paged KV storage: one K and one V tensor per layer.
+
+    k_buffers[layer]: [num_pages * page_size, num_kv_heads, head_dim]   (contiguous)
+    page p of layer l starts at byte p * page_bytes(l) of that tensor
+    token slot s = page * page_size + offset_in_page
+
+Page 0 is reserved: it is never handed out by the PageAllocator and serves as a
+scratch target for padded or discarded writes. So `num_pages` counts the reserved
+page too and the allocator manages pages 1 .. num_pages - 1.
+
+Who owns what: the KVPool owns the tensors (the model runner writes and reads
+them, kv_transfer registers them with NIXL once); which pages are free, cached
+or in use is the PageAllocator's and RadixCache's business, not the pool's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """What a transfer peer must agree on (exchanged at bootstrap)."""
+
+    num_layers: int
+    num_pages: int
+    page_size: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str  # e.g. "bfloat16"
+
+    @property
+    def itemsize(self) -> int:
+        return torch.empty((), dtype=getattr(torch, self.dtype)).element_size()
+
+    @property
+    def token_bytes(self) -> int:
+        return self.num_kv_heads * self.head_dim * self.itemsize
+
+    @property
+    def page_bytes(self) -> int:
+        """Bytes of one page in ONE layer buffer (K or V)."""
+        return self.page_size * self.token_bytes
+
+    def compatible_with(self, other: KVLayout) -> str | None:
+        """None when KV pages can be copied between the two pools, else the reason."""
+        for name in ("num_layers", "page_size", "num_kv_heads", "head_dim", "dtype"):
+            if getattr(self, name) != getattr(other, name):
+                return f"KV layout mismatch: {name} {getattr(self, name)} != {getattr(other, name)}"
+        return None
+
+
+class KVPool:
+    def __init__(
+        self,
+        *,
+        num_layers: int,
+        num_pages: int,
+        page_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        assert num_pages >= 2, "need the reserved page 0 plus at least one usable page"
+        self.num_layers = num_layers
+        self.num_pages = num_pages
+        self.page_size = page_size
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.dtype = dtype
+        self.device = torch.device(device)
+        shape = (num_pages * page_size, num_kv_heads, head_dim)
+        self.k_buffers = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
+        self.v_buffers = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
+
+    @property
+    def layout(self) -> KVLayout:
+        return KVLayout(
+            num_layers=self.num_layers,
+            num_pages=self.num_pages,
+            page_size=self.page_size,
+            num_kv_heads=self.num_kv_heads,
+            head_dim=self.head_dim,
+            dtype=str(self.dtype).removeprefix("torch."),
+        )
+
+    @property
+    def num_slots(self) -> int:
+        return self.num_pages * self.page_size
+
+    def total_bytes(self) -> int:
+        return 2 * self.num_layers * self.num_slots * self.layout.token_bytes
+
+    def set_kv(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Write new tokens' K/V ([n, num_kv_heads, head_dim]) to `slots` ([n])."""
+        self.k_buffers[layer][slots] = k.to(self.dtype)
+        self.v_buffers[layer][slots] = v.to(self.dtype)
+
+    def copy_slots_to_host(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """[layers, n, heads, dim] host copies of K and V at `slots` (decode retraction)."""
+        k = torch.stack([buf[slots] for buf in self.k_buffers]).cpu()
+        v = torch.stack([buf[slots] for buf in self.v_buffers]).cpu()
+        return k, v
+
+    def restore_slots_from_host(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        for layer in range(self.num_layers):
+            self.k_buffers[layer][slots] = k[layer].to(self.device)
+            self.v_buffers[layer][slots] = v[layer].to(self.device)
+
+    @staticmethod
+    def pages_for_budget(
+        budget_bytes: int, *, num_layers: int, page_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
+    ) -> int:
+        per_page = 2 * num_layers * page_size * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+        return max(2, budget_bytes // per_page)

