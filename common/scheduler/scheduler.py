@@ -1,0 +1,339 @@
+"""The scheduler: continuous batching with chunked prefill, radix reuse, retraction, overlap.
+
+One iteration (`step`):
+
+    batch N+1 = get_next_batch()        prefill first (PrefillAdder), else decode
+    submit(batch N+1) to the executor    (overlap: before batch N's result is processed)
+    process_result(batch N)              append tokens, finish, stream, free/cache KV
+
+Normal mode processes each batch's result right after submitting it. Overlap is
+skipped for two consecutive prefill batches (the first one's token is streamed
+before the second prefill runs: better TTFT). Roles (prefill/decode in PD mode)
+extend this class through the hooks at the bottom.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from common.model.forward_batch import ForwardMode
+from common.scheduler.config import SchedulerConfig
+from common.scheduler.executor import Executor, FutureIndexAllocator, StepHandle, StepResult
+from common.scheduler.kv_manager import ReqKVManager
+from common.scheduler.new_token_ratio import NewTokenRatioTracker
+from common.scheduler.policy import SchedulePolicy
+from common.scheduler.prefill_adder import AddResult, PrefillAdder
+from common.scheduler.req import Req, ReqState
+from common.scheduler.schedule_batch import BatchBuilder, ScheduleBatch
+from common.server.io_struct import FinishReason, TokenOut
+
+logger = logging.getLogger(__name__)
+
+OutputSink = Callable[[list[TokenOut]], None]
+
+
+class RequestRejected(ValueError):
+    """A request the engine cannot serve (message is safe for the client)."""
+
+
+@dataclass
+class InFlight:
+    batch: ScheduleBatch
+    handle: StepHandle
+
+
+class Scheduler:
+    def __init__(
+        self, cfg: SchedulerConfig, executor: Executor, kv: ReqKVManager, *, future_capacity: int, output: OutputSink
+    ) -> None:
+        self.cfg = cfg
+        self.executor = executor
+        self.kv = kv
+        self.output = output
+        self.policy = SchedulePolicy(cfg.schedule_policy, lpm_fcfs_fallback=cfg.lpm_fcfs_fallback_queue_len, seed=cfg.random_seed)
+        self.ratio = NewTokenRatioTracker(
+            init=cfg.init_new_token_ratio * cfg.schedule_conservativeness,
+            min_factor=cfg.min_new_token_ratio_factor,
+            decay_steps=cfg.new_token_ratio_decay_steps,
+            retract_steps=cfg.retract_decode_steps,
+        )
+        self.futures = FutureIndexAllocator(future_capacity)
+        self.waiting: list[Req] = []
+        self.running: list[Req] = []
+        self.chunked: Req | None = None
+        self.reqs: dict[str, Req] = {}
+        self.in_flight: InFlight | None = None
+        self.last_mode: ForwardMode | None = None
+        self.step_id = 0
+        self._outbox: list[TokenOut] = []
+        self._idle_checked = False
+        self.num_retractions = 0
+        self.num_decode_steps = 0
+        self.num_prefill_steps = 0
+        self.num_prompt_tokens = 0
+        self.num_cached_prompt_tokens = 0
+
+    # ---- requests in ------------------------------------------------------------------------
+    def add_request(self, req: Req) -> None:
+        if req.rid in self.reqs:
+            raise RequestRejected(f"duplicate request id {req.rid!r}")
+        n = len(req.origin_input_ids)
+        if n == 0:
+            raise RequestRejected("the prompt is empty")
+        if n >= self.cfg.context_length:
+            raise RequestRejected(f"the prompt has {n} tokens; the context length is {self.cfg.context_length}")
+        capacity = self.kv.allocator.num_usable * self.kv.page_size
+        if n + 1 > capacity:
+            raise RequestRejected(f"the prompt needs {n + 1} KV slots; this instance holds {capacity}")
+        self.reqs[req.rid] = req
+        self.waiting.append(req)
+        self._idle_checked = False
+
+    def abort(self, rid: str, reason: str = "aborted", status_code: int = 499) -> bool:
+        req = self.reqs.get(rid)
+        if req is None or req.finished:
+            return False
+        self._finish(req, FinishReason("abort", message=reason, status_code=status_code))
+        return True
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running or self.chunked or self.in_flight)
+
+    # ---- the loop ---------------------------------------------------------------------------
+    def step(self) -> None:
+        batch = self.get_next_batch()
+        if batch is None:
+            self._resolve_in_flight()
+        elif not self.cfg.enable_overlap:
+            self._launch(batch)
+            self._resolve_in_flight()
+        else:
+            if batch.is_extend and self.in_flight is not None and self.in_flight.batch.is_extend:
+                self._resolve_in_flight()
+            previous = self.in_flight
+            self.in_flight = None
+            self._launch(batch)
+            if previous is not None:
+                self._process(previous)
+        self._flush_outbox()
+        if not self.has_work:
+            self.on_idle()
+
+    def run_until_idle(self, max_steps: int = 10_000_000) -> None:
+        for _ in range(max_steps):
+            if not self.has_work:
+                return
+            self.step()
+        raise RuntimeError("scheduler did not go idle")
+
+    def _launch(self, batch: ScheduleBatch) -> None:
+        self.in_flight = InFlight(batch, self.executor.submit(batch.worker_batch))
+        self.last_mode = batch.mode
+
+    def _resolve_in_flight(self) -> None:
+        if self.in_flight is not None:
+            inflight, self.in_flight = self.in_flight, None
+            self._process(inflight)
+
+    def on_idle(self) -> None:
+        self.ratio.on_idle()
+        if not self._idle_checked:
+            self.kv.check_integrity()
+            self._idle_checked = True
+
+    # ---- scheduling -------------------------------------------------------------------------
+    def get_next_batch(self) -> ScheduleBatch | None:
+        self.running = [r for r in self.running if not r.finished]
+        batch = self._get_prefill_batch()
+        if batch is not None:
+            return batch
+        return self._get_decode_batch()
+
+    def _get_prefill_batch(self) -> ScheduleBatch | None:
+        if not self.waiting and self.chunked is None:
+            return None
+        if not self.can_admit_new_requests() and self.chunked is None:
+            return None
+        max_new = self.cfg.max_running_requests - len(self.running) - (1 if self.chunked else 0)
+        adder = PrefillAdder(self.kv, self.running, self.cfg, new_token_ratio=self.ratio.value, max_new_reqs=max_new)
+        if self.chunked is not None:
+            chunked, self.chunked = self.chunked, None
+            adder.add_chunked(chunked)
+        if adder.new_chunked is None and self.can_admit_new_requests():
+            ordered = self.policy.order(self.waiting, self._prefix_len)
+            for req in ordered:
+                slots, node = self.kv.match_prefix(req.fill_ids)
+                if adder.add_one(req, slots, node) is not AddResult.CONTINUE:
+                    break
+        if not adder.can_run:
+            return None
+        admitted = set(adder.can_run)
+        self.waiting = [r for r in self.waiting if r not in admitted]
+        reqs = adder.can_run
+        samples = []
+        for req in reqs:
+            last_chunk = req.kv_len == len(req.fill_ids)
+            samples.append(last_chunk)
+            if last_chunk:
+                req.state = ReqState.RUNNING
+                self.running.append(req)
+            else:
+                req.state = ReqState.CHUNKED
+                self.chunked = req
+            self.num_prompt_tokens += req.extend_len
+            if req.retractions == 0 and req.kv_len - req.extend_len == req.tree_len:
+                self.num_cached_prompt_tokens += req.tree_len
+        self.num_prefill_steps += 1
+        return self._build(ForwardMode.EXTEND, reqs, [r.extend_len for r in reqs], samples)
+
+    def _prefix_len(self, ids: list[int]) -> int:
+        return len(self.kv.radix.match_prefix(ids).slots)
+
+    def _decodable(self) -> list[Req]:
+        return [r for r in self.running if not r.finished and r.remaining_new_tokens > 0 and r.kv_len > 0]
+
+    def _get_decode_batch(self) -> ScheduleBatch | None:
+        reqs = self._decodable()
+        if not reqs:
+            return None
+        if not self._decode_fits(reqs):
+            # Retraction needs every token known: finish the step in flight first.
+            self._resolve_in_flight()
+            reqs = self._decodable()
+            if not reqs:
+                return None
+            if not self._decode_fits(reqs):
+                self.retract(reqs)
+                reqs = self._decodable()
+        for req in reqs:
+            slots = self.kv.alloc_tokens(req, 1)
+            assert slots is not None, "decode allocation failed after check_decode_mem"
+        self.ratio.on_decode_step()
+        self.num_decode_steps += 1
+        return self._build(ForwardMode.DECODE, reqs, [1] * len(reqs), [True] * len(reqs))
+
+    def _decode_fits(self, reqs: list[Req], steps: int = 1) -> bool:
+        need = sum(self.kv.pages_needed(r.kv_len, steps) for r in reqs)
+        return self.kv.ensure_free_pages(need)
+
+    def retract(self, reqs: list[Req]) -> list[Req]:
+        """Retract until the kept requests fit for retract_decode_steps steps (keep >= 1)."""
+        order = sorted(reqs, key=lambda r: (len(r.output_ids), -len(r.origin_input_ids)))
+        kept = list(reqs)
+        retracted: list[Req] = []
+        while len(kept) > 1 and not self._decode_fits(kept, self.cfg.retract_decode_steps):
+            victim = order.pop(0)
+            kept.remove(victim)
+            retracted.append(victim)
+            self.on_retract(victim)
+        if not self._decode_fits(kept):
+            # Even one request cannot take one more token: fail it rather than hang.
+            victim = kept.pop()
+            self._finish(victim, FinishReason("abort", message="out of KV memory", status_code=503))
+        self.ratio.on_retract(
+            [len(r.output_ids) for r in kept], [r.sampling_params.max_new_tokens for r in kept]
+        )
+        self.num_retractions += len(retracted)
+        if retracted:
+            logger.info("retracted %d requests (kept %d), new_token_ratio=%.3f", len(retracted), len(kept), self.ratio.value)
+        return retracted
+
+    def on_retract(self, req: Req) -> None:
+        """Colocated: give the KV to the radix cache and re-prefill later."""
+        assert req.num_pending == 0, f"retracting a request with tokens in flight: {req}"
+        self.kv.release(req, keep_in_cache=True)
+        self.running.remove(req)
+        req.state = ReqState.RETRACTED
+        req.retractions += 1
+        self.waiting.insert(0, req)
+
+    def can_admit_new_requests(self) -> bool:
+        return True
+
+    def _build(self, mode: ForwardMode, reqs: list[Req], lens: list[int], samples: list[bool]) -> ScheduleBatch:
+        self.step_id += 1
+        futures = self.futures.take(len(reqs))
+        return BatchBuilder.build(mode, reqs, lens, samples, futures, self.kv.take_pending_writes(), self.step_id)
+
+    # ---- results ----------------------------------------------------------------------------
+    def _process(self, inflight: InFlight) -> None:
+        batch = inflight.batch
+        result: StepResult = inflight.handle.result()
+        for i, (req, samples) in enumerate(zip(batch.reqs, batch.samples_token, strict=True)):
+            if samples:
+                req.num_pending -= 1
+            if req.finished or not samples:
+                continue
+            token = result.next_token_ids[i]
+            req.output_ids.append(token)
+            if req.return_logprob and result.logprobs is not None:
+                req.output_logprobs.append(result.logprobs[i])
+                if result.top_logprobs is not None:
+                    req.output_top_logprobs.append(result.top_logprobs[i])
+            if batch.is_extend:
+                self.kv.cache_prefix(req)
+            reason = req.check_finished(token)
+            if reason is not None:
+                self._finish(req, reason)
+            elif req.stream:
+                self._emit(req)
+
+    def _finish(self, req: Req, reason: FinishReason) -> None:
+        req.finish_reason = reason
+        req.state = ReqState.FINISHED
+        if req in self.waiting:
+            self.waiting.remove(req)
+        if self.chunked is req:
+            self.chunked = None
+        self.on_finish(req)
+        self.kv.release(req, keep_in_cache=True)
+        self.reqs.pop(req.rid, None)
+        self._emit(req)
+
+    def on_finish(self, req: Req) -> None:
+        """Hook for roles (e.g. release a transfer handle)."""
+
+    def _emit(self, req: Req) -> None:
+        new = req.output_ids[req.sent_len :]
+        lp = req.output_logprobs[req.sent_len :] if req.return_logprob else None
+        top = req.output_top_logprobs[req.sent_len :] if req.top_logprobs_num else None
+        req.sent_len = len(req.output_ids)
+        self._outbox.append(
+            TokenOut(
+                rid=req.rid,
+                new_token_ids=new,
+                finish_reason=req.finish_reason,
+                prompt_tokens=len(req.origin_input_ids),
+                completion_tokens=len(req.output_ids),
+                cached_tokens=req.cached_tokens,
+                new_token_logprobs=lp,
+                new_top_logprobs=top,
+            )
+        )
+
+    def _flush_outbox(self) -> None:
+        if self._outbox:
+            out, self._outbox = self._outbox, []
+            self.output(out)
+
+    def flush(self) -> None:
+        self._flush_outbox()
+
+    # ---- observability ----------------------------------------------------------------------
+    def stats(self) -> dict[str, float]:
+        s = {
+            "num_waiting_reqs": float(len(self.waiting)),
+            "num_running_reqs": float(len([r for r in self.running if not r.finished])),
+            "num_chunked_reqs": float(1 if self.chunked else 0),
+            "new_token_ratio": self.ratio.value,
+            "num_retractions_total": float(self.num_retractions),
+            "num_decode_steps_total": float(self.num_decode_steps),
+            "num_prefill_steps_total": float(self.num_prefill_steps),
+            "prompt_tokens_total": float(self.num_prompt_tokens),
+            "cache_hit_rate": self.num_cached_prompt_tokens / max(1, self.num_prompt_tokens + self.num_cached_prompt_tokens),
+        }
+        s.update(self.kv.stats())
+        return s
