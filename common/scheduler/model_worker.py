@@ -1,0 +1,90 @@
+"""The real model worker: WorkerBatch -> forward -> sample -> StepResult.
+
+Runs on the executor's thread. It is the only code that touches device state
+(KV tensors through the runner, the req_to_token table, the future token map,
+the sampler's penalty state), and it does so strictly in step order.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from common.model.forward_batch import ForwardBatch
+from common.model.model_runner import ModelRunner
+from common.model.sampler import Sampler, SamplingBatchInfo
+from common.scheduler.executor import StepResult, WorkerBatch
+
+
+class TorchModelWorker:
+    def __init__(self, runner: ModelRunner, sampler: Sampler, *, future_capacity: int) -> None:
+        self.runner = runner
+        self.sampler = sampler
+        self.device = runner.device
+        self.req_to_token = runner.req_to_token
+        self.future_tokens = torch.zeros(future_capacity, dtype=torch.int64, device=self.device)
+
+    @property
+    def future_capacity(self) -> int:
+        return int(self.future_tokens.shape[0])
+
+    def _apply_slot_writes(self, batch: WorkerBatch) -> None:
+        if not batch.slot_writes:
+            return
+        rows: list[int] = []
+        cols: list[int] = []
+        vals: list[int] = []
+        for w in batch.slot_writes:
+            rows.extend([w.row] * len(w.slots))
+            cols.extend(range(w.start, w.start + len(w.slots)))
+            vals.extend(w.slots)
+        dev = self.device
+        self.req_to_token[torch.tensor(rows, device=dev), torch.tensor(cols, device=dev)] = torch.tensor(
+            vals, dtype=self.req_to_token.dtype, device=dev
+        )
+
+    def _forward_batch(self, b: WorkerBatch) -> ForwardBatch:
+        fb = ForwardBatch.build(
+            b.mode, b.input_ids, b.positions, b.out_cache_loc, b.req_pool_indices, b.seq_lens, b.prefix_lens,
+            device=self.device,
+        )
+        ids = fb.input_ids
+        if min(b.input_ids) < 0:
+            pending = ids < 0
+            fb.input_ids = torch.where(pending, self.future_tokens[(-ids - 1).clamp(min=0)], ids)
+        return fb
+
+    @torch.inference_mode()
+    def run(self, batch: WorkerBatch) -> StepResult:
+        start = time.perf_counter()
+        self._apply_slot_writes(batch)
+        fb = self._forward_batch(batch)
+        for s in batch.sampling:
+            if s.reset_prompt is not None:
+                self.sampler.reset_row(s.row, s.reset_prompt, s.reset_outputs or [])
+        logits = self.runner.forward(fb)
+        rows = batch.sampling
+        info = SamplingBatchInfo.from_params(
+            [s.params for s in rows],
+            [s.row for s in rows],
+            vocab_size=self.runner.vocab_size,
+            device=self.device,
+            return_logprob=any(s.return_logprob for s in rows),
+            top_logprobs_nums=[s.top_logprobs_num for s in rows],
+        )
+        out = self.sampler.sample(logits, info)
+        self.future_tokens[torch.tensor(batch.future_indices, device=self.device)] = out.next_token_ids
+        top: list[list[tuple[int, float]]] | None = None
+        if out.top_logprobs is not None:
+            values, ids = out.top_logprobs.values.tolist(), out.top_logprobs.token_ids.tolist()
+            top = [
+                list(zip(ids[i][: s.top_logprobs_num], values[i][: s.top_logprobs_num], strict=True))
+                for i, s in enumerate(rows)
+            ]
+        return StepResult(
+            next_token_ids=out.next_token_ids.tolist(),
+            logprobs=out.logprobs.tolist() if out.logprobs is not None else None,
+            top_logprobs=top,
+            forward_seconds=time.perf_counter() - start,
+        )

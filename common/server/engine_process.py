@@ -1,0 +1,135 @@
+"""The engine process of an instance: receive requests over ZMQ, step the scheduler, send tokens.
+
+    loop:  recv (non-blocking when busy, short wait when idle) -> handle messages
+           -> scheduler.step() -> token outputs go to the frontend as BatchTokenOut
+
+Roles (prefill/decode) subclass EngineLoop: `make_scheduler_kwargs` / `on_generate`
+/ `before_step` are the seams. The loop exits when the frontend (parent) dies.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import time
+from typing import Any
+
+from common.engine_core import EngineCore, build_engine_core
+from common.scheduler.req import Req
+from common.scheduler.scheduler import RequestRejected, Scheduler
+from common.server.io_struct import (
+    AbortReq,
+    BatchTokenOut,
+    FinishReason,
+    GenerateReq,
+    StatsReq,
+    StatsResp,
+    TokenOut,
+)
+from common.server.ipc import EngineChannel, EngineIpcAddrs
+from common.server.server_args import ServerArgs
+
+logger = logging.getLogger(__name__)
+
+IDLE_WAIT_S = 0.02
+PARENT_CHECK_S = 1.0
+
+
+class EngineLoop:
+    scheduler_cls: type[Scheduler] = Scheduler
+
+    def __init__(self, args: ServerArgs, channel: EngineChannel) -> None:
+        self.args = args
+        self.channel = channel
+        self.core: EngineCore = build_engine_core(
+            args, self._send_tokens, scheduler_cls=self.scheduler_cls, scheduler_kwargs=self.make_scheduler_kwargs()
+        )
+        self.scheduler = self.core.scheduler
+        self.eos_token_ids = frozenset(self.core.model_config.eos_token_ids)
+        self._parent = os.getppid()
+        self._last_parent_check = time.monotonic()
+        self.running = True
+
+    # ---- seams for roles --------------------------------------------------------------------
+    def make_scheduler_kwargs(self) -> dict[str, Any]:
+        return {}
+
+    def make_req(self, msg: GenerateReq) -> Req:
+        return Req(
+            rid=msg.rid,
+            origin_input_ids=list(msg.input_ids),
+            sampling_params=msg.sampling_params,
+            stream=msg.stream,
+            return_logprob=msg.return_logprob,
+            top_logprobs_num=msg.top_logprobs_num,
+            priority=msg.priority,
+            eos_token_ids=self.eos_token_ids,
+        )
+
+    def on_generate(self, msg: GenerateReq) -> None:
+        self.scheduler.add_request(self.make_req(msg))
+
+    def before_step(self) -> None:
+        """Called every iteration before the scheduler steps (roles poll transfers here)."""
+
+    def stats(self) -> dict[str, float]:
+        return self.core.ready_stats()
+
+    # ---- loop -------------------------------------------------------------------------------
+    def _send_tokens(self, items: list[TokenOut]) -> None:
+        self.channel.send(BatchTokenOut(items=items))
+
+    def reject(self, rid: str, message: str, status_code: int = 400) -> None:
+        reason = FinishReason("abort", message=message, status_code=status_code)
+        self._send_tokens([TokenOut(rid, [], reason, 0, 0, 0)])
+
+    def handle(self, msg: object) -> None:
+        if isinstance(msg, GenerateReq):
+            try:
+                self.on_generate(msg)
+            except RequestRejected as e:
+                self.reject(msg.rid, str(e))
+        elif isinstance(msg, AbortReq):
+            self.scheduler.abort(msg.rid, msg.reason)
+        elif isinstance(msg, StatsReq):
+            self.channel.send(StatsResp(seq=msg.seq, stats=self.stats()))
+
+    def _parent_alive(self) -> bool:
+        now = time.monotonic()
+        if now - self._last_parent_check < PARENT_CHECK_S:
+            return True
+        self._last_parent_check = now
+        return os.getppid() == self._parent
+
+    def run(self) -> None:
+        while self.running:
+            busy = self.scheduler.has_work
+            for msg in self.channel.recv_requests(0.0 if busy else IDLE_WAIT_S):
+                self.handle(msg)
+            self.before_step()
+            if self.scheduler.has_work:
+                self.scheduler.step()
+            if not self._parent_alive():
+                logger.warning("frontend process is gone; engine exits")
+                break
+        self.core.shutdown()
+
+
+def engine_main(args: ServerArgs, addrs: EngineIpcAddrs, loop_cls: type[EngineLoop] = EngineLoop) -> None:
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s [engine pid=%(process)d] %(name)s: %(message)s"
+    )
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the frontend owns Ctrl-C and stops us
+    channel = EngineChannel(addrs)
+    try:
+        loop = loop_cls(args, channel)
+        stats = loop.core.ready_stats()
+        logger.info(
+            "engine ready: model %s, KV pool %d tokens (%.1f MiB)",
+            loop.core.model_path, int(stats["max_total_tokens"]), stats["kv_pool_bytes"] / 2**20,
+        )
+        channel.send_ready(stats)
+        loop.run()
+    finally:
+        channel.close()

@@ -1,0 +1,118 @@
+"""The heart of the suite: our greedy tokens == transformers' on the same checkpoint."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from common.engine import Engine
+from tests.engine.reference import hf_greedy
+
+
+def workload(vocab: int, n: int, seed: int, *, shared: list[int] | None = None) -> list[list[int]]:
+    rng = random.Random(seed)
+    prompts = []
+    for i in range(n):
+        body = [rng.randrange(3, vocab) for _ in range(rng.choice([1, 3, 9, 17, 40, 75, 130]))]
+        prompts.append((shared + body) if shared and i % 2 == 0 else body)
+    return prompts
+
+
+def check_parity(engine: Engine, path: str, prompts: list[list[int]], max_new: int) -> list[dict]:
+    params = {"max_new_tokens": max_new, "temperature": 0.0, "ignore_eos": True}
+    outs = engine.generate(input_ids=prompts, sampling_params=params)
+    for prompt, out in zip(prompts, outs, strict=True):
+        assert out["output_ids"] == hf_greedy(path, prompt, max_new), f"prompt of {len(prompt)} tokens diverged"
+        assert out["meta_info"]["completion_tokens"] == max_new
+    engine.check_integrity()
+    return outs
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("overlap", [True, False])
+def test_llama_parity_chunked_and_cached(tiny_llama_path, page_size, overlap):
+    path = str(tiny_llama_path)
+    engine = Engine(
+        path, dtype="float32", page_size=page_size, chunked_prefill_size=32, max_prefill_tokens=96,
+        max_total_tokens=8192, disable_overlap_schedule=not overlap,
+    )
+    try:
+        rng = random.Random(7)
+        shared = [rng.randrange(3, engine.vocab_size) for _ in range(70)]
+        first = workload(engine.vocab_size, 16, seed=1, shared=shared)
+        check_parity(engine, path, first, 12)
+        # Round two shares long prefixes with round one: the radix cache must serve them.
+        second = [p + [5, 6, 7, 8] for p in first[:8]]
+        outs = check_parity(engine, path, second, 8)
+        cached = [o["meta_info"]["cached_tokens"] for o in outs]
+        assert sum(cached) > 0 and all(c % page_size == 0 for c in cached), cached
+    finally:
+        engine.shutdown()
+
+
+@pytest.mark.parametrize("arch_fixture", ["tiny_qwen2_path", "tiny_qwen3_path", "tiny_mistral_path"])
+def test_other_layouts_parity(request, arch_fixture):
+    path = str(request.getfixturevalue(arch_fixture))
+    engine = Engine(path, dtype="float32", page_size=16, chunked_prefill_size=32, max_total_tokens=8192)
+    try:
+        rng = random.Random(3)
+        shared = [rng.randrange(3, engine.vocab_size) for _ in range(40)]
+        prompts = workload(engine.vocab_size, 16, seed=2, shared=shared)
+        check_parity(engine, path, prompts, 10)
+        outs = check_parity(engine, path, [p + [9] for p in prompts[:4]], 6)
+        assert sum(o["meta_info"]["cached_tokens"] for o in outs) > 0
+    finally:
+        engine.shutdown()
+
+
+def test_retraction_parity(tiny_llama_path):
+    """A pool too small for the batch forces retractions; outputs stay exact."""
+    path = str(tiny_llama_path)
+    engine = Engine(path, dtype="float32", page_size=4, chunked_prefill_size=32, max_total_tokens=400,
+                    schedule_policy="fcfs")
+    try:
+        prompts = workload(engine.vocab_size, 12, seed=5)
+        prompts = [p[:40] for p in prompts]
+        check_parity(engine, path, prompts, 40)
+        assert engine.scheduler.num_retractions > 0
+    finally:
+        engine.shutdown()
+
+
+def test_bad_requests_leave_engine_usable(tiny_llama_path):
+    path = str(tiny_llama_path)
+    engine = Engine(path, dtype="float32", page_size=16, max_total_tokens=2048, context_length=256)
+    try:
+        with pytest.raises(ValueError, match="empty"):
+            engine.generate(input_ids=[[]], sampling_params={"max_new_tokens": 2})
+        with pytest.raises(ValueError, match="context length"):
+            engine.generate(input_ids=[1] * 300, sampling_params={"max_new_tokens": 2})
+        with pytest.raises(ValueError, match="max_new_tokens"):
+            engine.generate(prompt="hello", sampling_params={"max_new_tokens": -1})
+        with pytest.raises(ValueError, match="unknown sampling parameter"):
+            engine.generate(prompt="hello", sampling_params={"max_new_tokens": 2, "bogus": 1})
+        out = engine.generate(prompt="The quick brown fox", sampling_params={"max_new_tokens": 4, "temperature": 0})
+        assert out["meta_info"]["completion_tokens"] <= 4 and isinstance(out["text"], str)
+        engine.check_integrity()
+    finally:
+        engine.shutdown()
+
+
+def test_stop_strings_and_max_new_tokens_one(tiny_llama_path):
+    path = str(tiny_llama_path)
+    engine = Engine(path, dtype="float32", page_size=16, max_total_tokens=2048)
+    try:
+        base = engine.generate(prompt="Hello world", sampling_params={"max_new_tokens": 12, "temperature": 0, "ignore_eos": True})
+        text = base["text"]
+        assert len(text) > 3
+        stop = text[2:4]
+        out = engine.generate(prompt="Hello world", sampling_params={"max_new_tokens": 12, "temperature": 0, "stop": stop, "ignore_eos": True})
+        assert stop not in out["text"] and text.startswith(out["text"])
+        assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
+        one = engine.generate(prompt="Hello", sampling_params={"max_new_tokens": 1, "temperature": 0, "ignore_eos": True})
+        assert one["meta_info"]["completion_tokens"] == 1
+        assert one["meta_info"]["finish_reason"]["type"] == "length"
+        engine.check_integrity()
+    finally:
+        engine.shutdown()
