@@ -1,0 +1,31 @@
+"""Attention backends behind one interface, built by name.
+
+Backends that need a GPU library import it only when built, so importing this
+package works on any machine.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from common.cache.kv_pool import KVPool
+from common.model.attention.base import AttentionBackend, AttentionShape
+
+ATTENTION_BACKENDS = ("torch", "flashinfer")
+
+
+def create_attention_backend(
+    name: str, *, shape: AttentionShape, kv_pool: KVPool, req_to_token: torch.Tensor
+) -> AttentionBackend:
+    if name == "torch":
+        from common.model.attention.torch_backend import TorchAttentionBackend
+
+        return TorchAttentionBackend(shape=shape, kv_pool=kv_pool, req_to_token=req_to_token)
+    if name == "flashinfer":
+        from common.model.attention.flashinfer_backend import FlashInferAttentionBackend
+
+        return FlashInferAttentionBackend(shape=shape, kv_pool=kv_pool, req_to_token=req_to_token)
+    raise ValueError(f"unknown attention backend {name!r}; choose one of {', '.join(ATTENTION_BACKENDS)}")
+
+
+__all__ = ["ATTENTION_BACKENDS", "AttentionBackend", "AttentionShape", "create_attention_backend"]

@@ -1,0 +1,143 @@
+"""Native Llama-family decoder (Llama, Mistral, Qwen2, Qwen3) over a paged KV pool.
+
+One implementation covers the four layouts; they differ only in
+ModelConfig.qkv_bias / o_bias (Qwen2, biased Llama) and qk_norm (Qwen3).
+q/k/v and gate/up projections are fused into one matmul each; the loader
+splits the checkpoint tensors into them.
+
+    tokens -> embed -> [ RMSNorm -> attention -> + -> RMSNorm -> SiLU MLP -> + ] x L -> RMSNorm
+    attention: qkv_proj -> (q/k norm) -> rope -> KV pool write -> backend -> o_proj
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from common.cache.kv_pool import KVPool
+from common.model.attention.base import AttentionBackend
+from common.model.config import ModelConfig
+from common.model.forward_batch import ForwardBatch
+from common.model.rope import RotaryEmbedding
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim, dtype=dtype))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
+        return self.weight * y.to(x.dtype)
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config: ModelConfig, layer_id: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.layer_id = layer_id
+        self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
+        self.sizes = [config.q_size, config.kv_size, config.kv_size]
+        self.qkv_proj = nn.Linear(config.hidden_size, sum(self.sizes), bias=config.qkv_bias, dtype=dtype)
+        self.o_proj = nn.Linear(config.q_size, config.hidden_size, bias=config.o_bias, dtype=dtype)
+        self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps, dtype) if config.qk_norm else None
+        self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps, dtype) if config.qk_norm else None
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        batch: ForwardBatch,
+        rope: RotaryEmbedding,
+        kv_pool: KVPool,
+        backend: AttentionBackend,
+    ) -> torch.Tensor:
+        n = x.shape[0]
+        q, k, v = self.qkv_proj(x).split(self.sizes, dim=-1)
+        q = q.reshape(n, self.num_heads, self.head_dim)
+        k = k.reshape(n, self.num_kv_heads, self.head_dim)
+        v = v.reshape(n, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = rope(batch.positions, q, k)
+        kv_pool.set_kv(self.layer_id, batch.out_cache_loc, k, v)
+        return self.o_proj(backend.forward(q, k, v, self.layer_id, batch))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config: ModelConfig, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False, dtype=dtype)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer_id: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(config, layer_id, dtype)
+        self.mlp = LlamaMLP(config, dtype)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        batch: ForwardBatch,
+        rope: RotaryEmbedding,
+        kv_pool: KVPool,
+        backend: AttentionBackend,
+    ) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), batch, rope, kv_pool, backend)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: ModelConfig, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype)
+        self.layers = nn.ModuleList([LlamaDecoderLayer(config, i, dtype) for i in range(config.num_layers)])
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+
+
+class LlamaForCausalLM(nn.Module):
+    """Parameters mirror HF names, except the fused qkv_proj / gate_up_proj (see loader.py).
+
+    Build it under `torch.device("meta")` and materialise with `to_empty` + the loader;
+    `rope` is built separately on the real device (it is a table, not a parameter).
+    """
+
+    def __init__(self, config: ModelConfig, rope: RotaryEmbedding, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.config = config
+        self.rope = rope
+        self.model = LlamaModel(config, dtype)
+        self.lm_head = (
+            None
+            if config.tie_word_embeddings
+            else nn.Linear(config.hidden_size, config.vocab_size, bias=False, dtype=dtype)
+        )
+
+    def forward(
+        self, batch: ForwardBatch, kv_pool: KVPool, backend: AttentionBackend, *, all_tokens: bool = False
+    ) -> torch.Tensor:
+        """Final hidden states: of each request's last token [batch_size, hidden], or of every
+        token [num_tokens, hidden] with all_tokens=True. Writes this step's K/V into kv_pool."""
+        x = self.model.embed_tokens(batch.input_ids)
+        for layer in self.model.layers:
+            x = layer(x, batch, self.rope, kv_pool, backend)
+        if not all_tokens:
+            last, ends = 0, []
+            for n in batch.extend_lens_cpu:
+                last += n
+                ends.append(last - 1)
+            if ends != list(range(x.shape[0])):
+                x = x[torch.tensor(ends, dtype=torch.int64, device=x.device)]
+        return self.model.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight).float()

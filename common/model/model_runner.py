@@ -1,0 +1,129 @@
+"""Runs the model on a ForwardBatch and returns next-token logits.
+
+Who owns what: the runner owns the model weights and the attention backend.
+The KV pool and the req_to_token table are owned by the engine (the scheduler
+decides which slots each request uses); the runner writes K/V only at
+batch.out_cache_loc and reads them through req_to_token.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from common.cache.kv_pool import KVPool
+from common.model.attention import AttentionShape, create_attention_backend
+from common.model.config import ModelConfig, resolve_dtype
+from common.model.forward_batch import ForwardBatch, ForwardMode
+from common.model.loader import build_model
+
+logger = logging.getLogger(__name__)
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model_path: str,
+        *,
+        dtype: str | torch.dtype = "auto",
+        device: torch.device | str = "cpu",
+        kv_pool: KVPool,
+        req_to_token: torch.Tensor,
+        attention_backend: str = "torch",
+    ) -> None:
+        """model_path: an HF checkpoint dir (see default_model.resolve_model_path for "default")."""
+        self.model_config = ModelConfig.from_pretrained(model_path)
+        self.device = torch.device(device)
+        self.dtype = resolve_dtype(dtype, self.device)
+        self.kv_pool = kv_pool
+        self.req_to_token = req_to_token
+        _check_pool(self.model_config, kv_pool, self.device)
+        if req_to_token.device != kv_pool.device:
+            raise ValueError(f"req_to_token is on {req_to_token.device}, the KV pool on {kv_pool.device}")
+        start = time.perf_counter()
+        self.model = build_model(self.model_config, dtype=self.dtype, device=self.device)
+        logger.info(
+            "loaded %s (%s, %d layers) as %s on %s in %.1f s",
+            model_path,
+            self.model_config.architecture,
+            self.model_config.num_layers,
+            str(self.dtype).removeprefix("torch."),
+            self.device,
+            time.perf_counter() - start,
+        )
+        shape = AttentionShape(
+            num_heads=self.model_config.num_heads,
+            num_kv_heads=self.model_config.num_kv_heads,
+            head_dim=self.model_config.head_dim,
+            scaling=self.model_config.head_dim**-0.5,
+        )
+        self.attn_backend = create_attention_backend(
+            attention_backend, shape=shape, kv_pool=kv_pool, req_to_token=req_to_token
+        )
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model_config.vocab_size
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        """float32 logits [batch_size, vocab] of each request's last token (writes the step's K/V)."""
+        if batch.mode == ForwardMode.IDLE or batch.batch_size == 0:
+            return torch.empty(0, self.vocab_size, dtype=torch.float32, device=self.device)
+        return self.model.compute_logits(self.forward_hidden(batch))
+
+    @torch.inference_mode()
+    def forward_hidden(self, batch: ForwardBatch, *, all_tokens: bool = False) -> torch.Tensor:
+        """Final hidden states of the last token of each request, or of every token."""
+        if min(batch.extend_lens_cpu, default=1) < 1:
+            raise ValueError(f"every request needs >= 1 new token, got extend_lens {batch.extend_lens_cpu}")
+        if max(batch.seq_lens_cpu, default=0) > self.model_config.context_length:
+            raise ValueError(
+                f"sequence of {max(batch.seq_lens_cpu)} tokens exceeds the context length "
+                f"{self.model_config.context_length}"
+            )
+        self.attn_backend.init_forward_metadata(batch)
+        return self.model(batch, self.kv_pool, self.attn_backend, all_tokens=all_tokens)
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.model.compute_logits(hidden)
+
+    @staticmethod
+    def create_kv_pool(
+        config: ModelConfig,
+        *,
+        max_total_tokens: int,
+        page_size: int,
+        dtype: str | torch.dtype = "auto",
+        device: torch.device | str = "cpu",
+    ) -> KVPool:
+        """A pool holding at least `max_total_tokens` token slots (plus the reserved page 0)."""
+        if max_total_tokens < 1 or page_size < 1:
+            raise ValueError(f"need max_total_tokens >= 1 and page_size >= 1, got {max_total_tokens}, {page_size}")
+        num_pages = 1 + (max_total_tokens + page_size - 1) // page_size
+        return KVPool(
+            num_layers=config.num_layers,
+            num_pages=num_pages,
+            page_size=page_size,
+            num_kv_heads=config.num_kv_heads,
+            head_dim=config.head_dim,
+            dtype=resolve_dtype(dtype, device),
+            device=device,
+        )
+
+    @staticmethod
+    def kv_bytes_per_token(config: ModelConfig, dtype: str | torch.dtype = "auto", device: str = "cpu") -> int:
+        itemsize = torch.empty((), dtype=resolve_dtype(dtype, device)).element_size()
+        return 2 * config.num_layers * config.kv_size * itemsize
+
+
+def _check_pool(config: ModelConfig, pool: KVPool, device: torch.device) -> None:
+    want = (config.num_layers, config.num_kv_heads, config.head_dim)
+    have = (pool.num_layers, pool.num_kv_heads, pool.head_dim)
+    if want != have:
+        raise ValueError(f"KV pool (layers, kv_heads, head_dim) = {have} does not fit the model's {want}")
+    if pool.device.type != device.type:
+        raise ValueError(f"KV pool is on {pool.device}, the model on {device}")
