@@ -31,13 +31,20 @@ class SlotWrite:
 
 
 class ReqKVManager:
-    def __init__(self, allocator: PageAllocator, radix: RadixCache, req_pool: ReqToTokenPool) -> None:
+    def __init__(
+        self, allocator: PageAllocator, radix: RadixCache, req_pool: ReqToTokenPool, *, defer_frees: bool = False
+    ) -> None:
         self.allocator = allocator
         self.radix = radix
         self.req_pool = req_pool
         self.page_size = allocator.page_size
         self.pending_writes: list[SlotWrite] = []
         self.live: set[Req] = set()  # requests holding a row and/or slots
+        # With defer_frees, freed request pages wait until the step in flight has completed
+        # (free_deferred): a step of a just-finished request may still write its last KV
+        # there, and in PD decode a NIXL write from prefill does not queue behind it.
+        self.defer_frees = defer_frees
+        self.deferred_pages: list[int] = []
 
     # ---- capacity -------------------------------------------------------------------------
     def available_tokens(self) -> int:
@@ -135,7 +142,7 @@ class ReqKVManager:
                     self.allocator.free_slots(req.kv_slots[req.tree_len : already])
                 own_start = aligned
         if own_start < req.kv_len:
-            self.allocator.free_slots(req.kv_slots[own_start:])
+            self._free_own(req.kv_slots[own_start:])
         self.radix.dec_lock_ref(req.last_node)
         if req.req_pool_idx is not None:
             self.req_pool.free(req.req_pool_idx)
@@ -144,6 +151,18 @@ class ReqKVManager:
         req.kv_slots = []
         req.tree_len = 0
         self.live.discard(req)
+
+    def _free_own(self, slots: list[int]) -> None:
+        if self.defer_frees:
+            self.deferred_pages.extend(self.allocator.pages_of(slots))
+        else:
+            self.allocator.free_slots(slots)
+
+    def free_deferred(self) -> None:
+        """Call when no step that was in flight at release time can still run."""
+        if self.deferred_pages:
+            pages, self.deferred_pages = self.deferred_pages, []
+            self.allocator.free(pages)
 
     def take_pending_writes(self) -> list[SlotWrite]:
         writes, self.pending_writes = self.pending_writes, []
@@ -155,7 +174,7 @@ class ReqKVManager:
         return sum(-(-(r.kv_len - r.tree_len) // ps) for r in self.live)
 
     def check_integrity(self) -> None:
-        in_use = self.in_use_pages()
+        in_use = self.in_use_pages() + len(self.deferred_pages)
         total = self.allocator.num_usable
         free, cached = self.allocator.num_free, self.radix.cached_pages
         assert free + cached + in_use == total, (
@@ -174,6 +193,6 @@ class ReqKVManager:
             "kv_pages_total": total,
             "kv_pages_free": self.allocator.num_free,
             "kv_pages_cached": self.radix.cached_pages,
-            "kv_pages_in_use": self.in_use_pages(),
+            "kv_pages_in_use": self.in_use_pages() + len(self.deferred_pages),
             "kv_usage": 1.0 - self.allocator.num_free / max(1, total),
         }

@@ -131,6 +131,8 @@ class Scheduler:
             if previous is not None:
                 self._process(previous)
         self._flush_outbox()
+        if self.in_flight is None:
+            self.kv.free_deferred()
         if not self.has_work:
             self.on_idle()
 
@@ -190,8 +192,7 @@ class Scheduler:
             last_chunk = req.kv_len == len(req.fill_ids)
             samples.append(last_chunk)
             if last_chunk:
-                req.state = ReqState.RUNNING
-                self.running.append(req)
+                self.on_prompt_scheduled(req)
             else:
                 req.state = ReqState.CHUNKED
                 self.chunked = req
@@ -228,6 +229,8 @@ class Scheduler:
         return self._build(ForwardMode.DECODE, reqs, [1] * len(reqs), [True] * len(reqs))
 
     def _decode_fits(self, reqs: list[Req], steps: int = 1) -> bool:
+        if self.in_flight is None:
+            self.kv.free_deferred()
         need = sum(self.kv.pages_needed(r.kv_len, steps) for r in reqs)
         return self.kv.ensure_free_pages(need)
 
@@ -262,8 +265,24 @@ class Scheduler:
         req.retractions += 1
         self.waiting.insert(0, req)
 
+    # ---- hooks for roles -----------------------------------------------------------------
     def can_admit_new_requests(self) -> bool:
         return True
+
+    def on_prompt_scheduled(self, req: Req) -> None:
+        """The step computing req's last prompt chunk was scheduled; colocated: it decodes next."""
+        req.state = ReqState.RUNNING
+        self.running.append(req)
+
+    def on_chunk_computed(self, req: Req) -> None:
+        """A non-final prompt chunk of req has been computed (its KV is written)."""
+
+    def on_prompt_computed(self, req: Req) -> bool:
+        """req's whole prompt is computed and its first token appended. Return True when the
+        role takes the request over (e.g. prefill sends it to decode); colocated: cache the
+        prompt pages and keep decoding."""
+        self.kv.cache_prefix(req)
+        return False
 
     def _build(self, mode: ForwardMode, reqs: list[Req], lens: list[int], samples: list[bool]) -> ScheduleBatch:
         self.step_id += 1
@@ -276,10 +295,16 @@ class Scheduler:
         wait_start = time.perf_counter()
         result: StepResult = inflight.handle.result()
         self.wait_seconds += time.perf_counter() - wait_start
+        # Every page deferred so far was released while this step (or an older one) was the
+        # newest in flight, and the step launched after it was built without those pages.
+        self.kv.free_deferred()
         for i, (req, samples) in enumerate(zip(batch.reqs, batch.samples_token, strict=True)):
             if samples:
                 req.num_pending -= 1
-            if req.finished or not samples:
+            if req.finished:
+                continue
+            if not samples:
+                self.on_chunk_computed(req)
                 continue
             token = result.next_token_ids[i]
             req.output_ids.append(token)
@@ -287,8 +312,8 @@ class Scheduler:
                 req.output_logprobs.append(result.logprobs[i])
                 if result.top_logprobs is not None:
                     req.output_top_logprobs.append(result.top_logprobs[i])
-            if batch.is_extend:
-                self.kv.cache_prefix(req)
+            if batch.is_extend and self.on_prompt_computed(req):
+                continue
             reason = req.check_finished(token)
             if reason is not None:
                 self._finish(req, reason)

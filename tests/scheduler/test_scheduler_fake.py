@@ -133,3 +133,13 @@ def test_finished_request_not_decoded_twice_in_overlap():
     finals = [o for o in h.outputs["a"] if o.finish_reason is not None]
     assert len(finals) == 1
     h.check()
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_deferred_frees_keep_outputs_and_pools(overlap):
+    """PD decode mode: freed pages wait for the step in flight; nothing leaks at idle."""
+    h = make_harness(page_size=4, num_pages=64, overlap=overlap, chunked_prefill_size=16, schedule_policy="fcfs")
+    h.scheduler.kv.defer_frees = True
+    wl = [(f"r{i}", [30 + i] * (10 + 5 * i), 30) for i in range(10)]
+    run_workload(h, wl)
+    assert not h.scheduler.kv.deferred_pages
