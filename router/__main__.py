@@ -1,0 +1,26 @@
+"""`python -m router --model-path DIR --prefill URL [PORT] --decode URL` (see router.config)."""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+import uvicorn
+
+from router.app import build_app
+from router.config import RouterConfig
+
+
+def main(argv: list[str] | None = None) -> None:
+    try:
+        cfg = RouterConfig.from_args(argv)
+    except ValueError as e:
+        sys.exit(f"router: {e}")
+    logging.basicConfig(level=cfg.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    app = build_app(cfg)
+    uvicorn.run(app, host=cfg.host, port=cfg.port, log_level=cfg.log_level, access_log=False,
+                timeout_keep_alive=30, backlog=4096)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,183 @@
+"""The router's HTTP app: OpenAI + native routes, worker admin, health, metrics.
+
+    POST /v1/completions, /v1/chat/completions, /generate   -> handlers.GenerationHandler
+    GET  /v1/models, /health, /metrics, /workers
+    POST /workers {"url", "role", "bootstrap_port"?}  DELETE /workers?url=... (or {"url"})
+
+`build_app(cfg)` wires one Router (all state) into a FastAPI app; every error
+leaves through one exception boundary in the OpenAI shape.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import msgspec
+from fastapi import FastAPI, Request
+from fastapi.responses import Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from router.config import RouterConfig, WorkerSpec, normalize_url
+from router.dispatcher import Dispatcher
+from router.errors import ApiError, bad_request
+from router.fields import decode_json_object, get_int, get_str
+from router.handlers import GenerationHandler, json_response, read_body
+from router.health import HealthChecker
+from router.metrics import RouterMetrics
+from router.model_info import ModelInfo
+from router.openai_request import RequestParser
+from router.registry import WorkerRegistry
+
+logger = logging.getLogger("router")
+_ROLE_ALIASES = {"prefill": "prefill", "decode": "decode", "worker": "colocated", "colocated": "colocated"}
+
+
+class Router:
+    """All router state; owned by the app, built before the event loop starts."""
+
+    def __init__(self, cfg: RouterConfig, model: ModelInfo | None = None) -> None:
+        self.cfg = cfg
+        self.model = model or ModelInfo.load(cfg.model_path, cfg.served_model_name, cfg.context_length)
+        self.registry = WorkerRegistry(cfg)
+        self.metrics = RouterMetrics(self.registry)
+        self.dispatcher = Dispatcher(cfg, self.registry, self.metrics)
+        probe_ids = self.model.encode("ping")[:4]
+        self.health = HealthChecker(cfg, self.registry, self.metrics, probe_ids)
+        self.parser = RequestParser(self.model, cfg.default_max_tokens_cap)
+        self.handler = GenerationHandler(self)
+        self.created = int(time.time())
+
+    async def start(self) -> None:
+        self.dispatcher.open()
+        self.health.start()
+
+    async def stop(self) -> None:
+        await self.health.stop()
+        await self.dispatcher.close()
+
+    def not_ready_reason(self) -> str | None:
+        for role in self.registry.roles:
+            if not self.registry.available(role):
+                n = len(self.registry.of_role(role))
+                return f"no healthy {role} worker ({n} registered)"
+        if not self.health.pd_verified:
+            return f"no prefill->decode bootstrap round trip has succeeded yet ({self.health.last_probe_error})"
+        return None
+
+
+def build_app(cfg: RouterConfig, model: ModelInfo | None = None) -> FastAPI:
+    router = Router(cfg, model)
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        await router.start()
+        try:
+            yield
+        finally:
+            await router.stop()
+
+    app = FastAPI(title="pdserve router", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.router = router
+    h = router.handler
+
+    @app.exception_handler(ApiError)
+    async def _api_error(request: Request, exc: ApiError) -> Response:
+        return json_response(exc.encode(), exc.status, request.headers.get("x-request-id"))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> Response:
+        err = ApiError(exc.status_code, str(exc.detail), code=exc.status_code,
+                       type="not_found_error" if exc.status_code == 404 else "invalid_request_error")
+        return json_response(err.encode(), exc.status_code, None)
+
+    @app.exception_handler(Exception)
+    async def _internal(request: Request, exc: Exception) -> Response:
+        logger.exception("unhandled error on %s", request.url.path)
+        err = ApiError(500, f"router internal error: {type(exc).__name__}", type="internal_error")
+        return json_response(err.encode(), 500, None)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await h.handle(request, "completion")
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await h.handle(request, "chat")
+
+    @app.post("/generate")
+    async def generate(request: Request) -> Response:
+        return await h.handle(request, "generate")
+
+    @app.get("/v1/models")
+    async def models() -> Response:
+        m = router.model
+        card = {"id": m.name, "object": "model", "created": router.created, "owned_by": "pdserve", "root": m.path,
+                "max_model_len": m.context_length}
+        return json_response(msgspec.json.encode({"object": "list", "data": [card]}), 200, None)
+
+    @app.get("/health")
+    async def health() -> Response:
+        reason = router.not_ready_reason()
+        if reason is not None:
+            err = ApiError(503, f"router not ready: {reason}", type="service_unavailable", code="not_ready")
+            return json_response(err.encode(), 503, None)
+        return json_response(b'{"status":"ready"}', 200, None)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(router.metrics.render(), media_type="text/plain; version=0.0.4")
+
+    @app.get("/workers")
+    async def list_workers() -> Response:
+        body = {"mode": "disaggregated" if cfg.disaggregated else "colocated", "ready": router.health.ready,
+                "pd_verified": router.health.pd_verified, "workers": [w.describe() for w in router.registry.all()]}
+        return json_response(msgspec.json.encode(body), 200, None)
+
+    @app.post("/workers")
+    async def add_worker(request: Request) -> Response:
+        body = decode_json_object(await read_body(request, 1 << 16), request.headers.get("content-type"))
+        spec = _worker_spec(body)
+        w = router.registry.add(spec)
+        await router.health.check_worker(w)
+        if cfg.disaggregated and not router.health.pd_verified:
+            await router.health.probe_pair()
+        logger.info("worker %s (%s) added, healthy=%s", w.url, w.role, w.health.healthy)
+        return json_response(msgspec.json.encode(w.describe()), 200, None)
+
+    @app.delete("/workers")
+    async def remove_worker(request: Request) -> Response:
+        url = request.query_params.get("url")
+        if url is None:
+            body = decode_json_object(await read_body(request, 1 << 16), request.headers.get("content-type"))
+            url = get_str(body, "url")
+        if not url:
+            raise bad_request("'url' is required (query parameter or JSON body)", "url")
+        w = router.registry.remove(_url(url))
+        logger.info("worker %s (%s) removed", w.url, w.role)
+        return json_response(msgspec.json.encode(w.describe()), 200, None)
+
+    return app
+
+
+def _url(raw: str) -> str:
+    try:
+        return normalize_url(raw)
+    except ValueError as e:
+        raise bad_request(str(e), "url") from None
+
+
+def _worker_spec(body: dict[str, Any]) -> WorkerSpec:
+    url = get_str(body, "url")
+    if not url:
+        raise bad_request("'url' is required", "url")
+    role = _ROLE_ALIASES.get(get_str(body, "role") or "")
+    if role is None:
+        raise bad_request("'role' must be one of prefill, decode, worker", "role")
+    port = get_int(body, "bootstrap_port", None, lo=1, hi=65535)
+    if port is not None and role != "prefill":
+        raise bad_request("'bootstrap_port' applies to prefill workers only", "bootstrap_port")
+    return WorkerSpec(_url(url), role, port)  # type: ignore[arg-type]

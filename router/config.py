@@ -1,0 +1,184 @@
+"""Router configuration: one frozen dataclass, argparse defaults read from it.
+
+    python -m router --model-path DIR --prefill URL [BOOTSTRAP_PORT] ... --decode URL ...
+    python -m router --model-path DIR --worker URL ...            (colocated baseline)
+
+`RouterConfig.from_args(argv)` parses and validates once; nothing reads the
+environment. A prefill worker's bootstrap port may be omitted: the router then
+learns it from the worker's `/server_info` before routing to it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import dataclass
+from typing import Literal
+from urllib.parse import urlsplit
+
+Role = Literal["prefill", "decode", "colocated"]
+POLICIES = ("round_robin", "random", "power_of_two", "cache_aware")
+
+
+def normalize_url(url: str) -> str:
+    """`host:port` or `http://host:port/` -> `http://host:port`; ValueError if it is not an http URL."""
+    url = url.strip()
+    if "://" not in url:
+        url = "http://" + url
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(f"not an http(s) URL: {url!r}")
+    if parts.path not in ("", "/") or parts.query:
+        raise ValueError(f"worker URL must not have a path or query: {url!r}")
+    _ = parts.port  # raises ValueError on a bad port
+    return f"{parts.scheme}://{parts.netloc}"
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    url: str
+    role: Role
+    bootstrap_port: int | None = None  # prefill only; None: learn it from /server_info
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    model_path: str
+    host: str = "127.0.0.1"
+    port: int = 30000
+    prefill: tuple[WorkerSpec, ...] = ()
+    decode: tuple[WorkerSpec, ...] = ()
+    worker: tuple[WorkerSpec, ...] = ()
+    served_model_name: str | None = None
+    context_length: int | None = None  # None: from the model's config.json
+    default_max_tokens_cap: int = 4096
+    prefill_policy: str = "cache_aware"
+    decode_policy: str = "power_of_two"
+    request_timeout: float = 600.0
+    connect_timeout: float = 5.0
+    max_retries: int = 3
+    retry_backoff_initial: float = 0.02
+    retry_backoff_max: float = 1.0
+    health_check_interval: float = 5.0
+    health_check_timeout: float = 3.0
+    health_failure_threshold: int = 2
+    health_success_threshold: int = 1
+    breaker_failure_threshold: int = 5
+    breaker_success_threshold: int = 2
+    breaker_open_seconds: float = 10.0
+    cache_threshold: float = 0.5
+    balance_abs_threshold: int = 32
+    balance_rel_threshold: float = 1.5
+    max_tree_tokens: int = 1 << 20
+    max_connections: int = 2048
+    max_body_bytes: int = 8 << 20
+    log_level: str = "info"
+
+    @property
+    def disaggregated(self) -> bool:
+        return not self.worker
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_name or self.model_path
+
+    def all_workers(self) -> tuple[WorkerSpec, ...]:
+        return self.prefill + self.decode + self.worker
+
+    def validate(self) -> None:
+        if self.worker and (self.prefill or self.decode):
+            raise ValueError("--worker (colocated) cannot be combined with --prefill/--decode")
+        for name in ("prefill_policy", "decode_policy"):
+            if getattr(self, name) not in POLICIES:
+                raise ValueError(f"{name} must be one of {POLICIES}, got {getattr(self, name)!r}")
+        if self.max_retries < 0 or self.request_timeout <= 0 or self.health_check_interval <= 0:
+            raise ValueError("max_retries must be >= 0, request_timeout and health_check_interval > 0")
+        if min(self.health_failure_threshold, self.health_success_threshold) < 1:
+            raise ValueError("health thresholds must be >= 1")
+        if min(self.breaker_failure_threshold, self.breaker_success_threshold) < 1:
+            raise ValueError("breaker thresholds must be >= 1")
+        urls = [w.url for w in self.all_workers()]
+        if len(set(urls)) != len(urls):
+            raise ValueError("a worker URL is listed twice")
+
+    @classmethod
+    def from_args(cls, argv: list[str] | None = None) -> RouterConfig:
+        ns = build_parser().parse_args(argv)
+        values = vars(ns)
+        policy = values.pop("policy")
+        for role in ("prefill", "decode"):
+            if values[f"{role}_policy"] is None:
+                values[f"{role}_policy"] = policy or _DEFAULTS[f"{role}_policy"]
+        values["prefill"] = tuple(_prefill_spec(v) for v in values["prefill"] or [])
+        values["decode"] = tuple(WorkerSpec(normalize_url(u), "decode") for u in values["decode"] or [])
+        values["worker"] = tuple(WorkerSpec(normalize_url(u), "colocated") for u in values["worker"] or [])
+        cfg = cls(**values)
+        cfg.validate()
+        return cfg
+
+
+_DEFAULTS = {f.name: f.default for f in dataclasses.fields(RouterConfig)}
+
+
+def _prefill_spec(items: list[str]) -> WorkerSpec:
+    if not 1 <= len(items) <= 2:
+        raise SystemExit("--prefill takes URL [BOOTSTRAP_PORT]")
+    port = None
+    if len(items) == 2:
+        if not items[1].isdigit() or not 0 < int(items[1]) < 65536:
+            raise SystemExit(f"--prefill bootstrap port must be an integer port, got {items[1]!r}")
+        port = int(items[1])
+    return WorkerSpec(normalize_url(items[0]), "prefill", port)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    d = _DEFAULTS
+    p = argparse.ArgumentParser(prog="python -m router", description="OpenAI-compatible PD router")
+    p.add_argument("--model-path", required=True, help="checkpoint dir: tokenizer, chat template, context length")
+    p.add_argument("--host", default=d["host"])
+    p.add_argument("--port", type=int, default=d["port"])
+    p.add_argument("--prefill", nargs="+", action="append", metavar="URL [BOOTSTRAP_PORT]")
+    p.add_argument("--decode", action="append", metavar="URL")
+    p.add_argument("--worker", action="append", metavar="URL", help="colocated instance (no disaggregation)")
+    p.add_argument("--served-model-name", default=d["served_model_name"])
+    p.add_argument("--context-length", type=int, default=d["context_length"])
+    p.add_argument("--default-max-tokens-cap", type=int, default=d["default_max_tokens_cap"])
+    p.add_argument("--policy", choices=POLICIES, default=None, help="both roles (and colocated workers)")
+    p.add_argument("--prefill-policy", choices=POLICIES, default=None)
+    p.add_argument("--decode-policy", choices=POLICIES, default=None)
+    for name in (
+        "request_timeout",
+        "connect_timeout",
+        "retry_backoff_initial",
+        "retry_backoff_max",
+        "health_check_interval",
+        "health_check_timeout",
+        "breaker_open_seconds",
+        "cache_threshold",
+        "balance_rel_threshold",
+    ):
+        p.add_argument("--" + name.replace("_", "-"), type=float, default=d[name])
+    for name in (
+        "max_retries",
+        "health_failure_threshold",
+        "health_success_threshold",
+        "breaker_failure_threshold",
+        "breaker_success_threshold",
+        "balance_abs_threshold",
+        "max_tree_tokens",
+        "max_connections",
+        "max_body_bytes",
+    ):
+        p.add_argument("--" + name.replace("_", "-"), type=int, default=d[name])
+    p.add_argument("--log-level", default=d["log_level"])
+    return p
+
+
+def replace(cfg: RouterConfig, **changes: object) -> RouterConfig:
+    """A validated copy with some fields changed (tests, embedding)."""
+    out = dataclasses.replace(cfg, **changes)  # type: ignore[arg-type]
+    out.validate()
+    return out
+
+
+__all__ = ["POLICIES", "RouterConfig", "Role", "WorkerSpec", "build_parser", "normalize_url", "replace"]

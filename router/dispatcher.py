@@ -1,0 +1,159 @@
+"""Fan-out with retries: turns a GenerationPlan into a stream of worker events.
+
+    Dispatcher.start(plan, rid) -> RequestRun   (a producer task)
+      attempt k: pick P (prefill policy) and D (decode policy), new room, Attempt.events()
+        UpstreamError before the first event was handed out, retryable, k < max_retries
+          -> back off (exponential, jittered), exclude the blamed worker, try again
+        otherwise the error is final
+      everything under one deadline (request_timeout) -> 504
+    RequestRun.first() -> first event or ApiError (nothing was sent to the client yet)
+    RequestRun.__aiter__ -> the remaining events; a failure after the first event comes out
+                            as an UpstreamError (the caller reports it in-band)
+    RequestRun.cancel() -> client gone: cancels the producer, which closes both upstreams
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import secrets
+from collections.abc import AsyncIterator
+from typing import Any
+
+import httpx
+
+from router.config import RouterConfig
+from router.errors import ApiError, UpstreamError
+from router.metrics import RouterMetrics
+from router.plan import GenerationPlan
+from router.registry import WorkerRegistry
+from router.upstream import Attempt, WorkerEvent
+
+logger = logging.getLogger("router.dispatch")
+_END = object()
+
+
+class RequestRun:
+    def __init__(self) -> None:
+        self.queue: asyncio.Queue[Any] = asyncio.Queue()
+        self.task: asyncio.Task[None] | None = None
+        self.attempts = 0
+
+    async def first(self) -> WorkerEvent:
+        item = await self.queue.get()
+        if isinstance(item, WorkerEvent):
+            return item
+        if isinstance(item, UpstreamError):
+            raise item.to_api_error()
+        assert isinstance(item, ApiError), f"bug: unexpected first item {item!r}"
+        raise item
+
+    async def __aiter__(self) -> AsyncIterator[WorkerEvent]:
+        while True:
+            item = await self.queue.get()
+            if item is _END:
+                return
+            if isinstance(item, WorkerEvent):
+                yield item
+                continue
+            if isinstance(item, ApiError):
+                raise UpstreamError(item.status, item.message, type=item.type, worker_url=None)
+            raise item
+
+    def cancel(self) -> None:
+        if self.task is not None and not self.task.done():
+            self.task.cancel()
+
+
+class Dispatcher:
+    def __init__(self, cfg: RouterConfig, registry: WorkerRegistry, metrics: RouterMetrics) -> None:
+        self.cfg = cfg
+        self.registry = registry
+        self.metrics = metrics
+        self.client: httpx.AsyncClient | None = None
+        self.background: set[asyncio.Task[Any]] = set()
+
+    def open(self) -> None:
+        limits = httpx.Limits(max_connections=self.cfg.max_connections,
+                              max_keepalive_connections=self.cfg.max_connections, keepalive_expiry=30.0)
+        timeout = httpx.Timeout(None, connect=self.cfg.connect_timeout, pool=self.cfg.connect_timeout)
+        self.client = httpx.AsyncClient(limits=limits, timeout=timeout, trust_env=False)
+
+    async def close(self) -> None:
+        for t in list(self.background):
+            t.cancel()
+        await asyncio.gather(*self.background, return_exceptions=True)
+        if self.client is not None:
+            await self.client.aclose()
+
+    def start(self, plan: GenerationPlan, rid: str) -> RequestRun:
+        run = RequestRun()
+        run.task = asyncio.ensure_future(self._produce(run, plan, rid))
+        return run
+
+    async def _produce(self, run: RequestRun, plan: GenerationPlan, rid: str) -> None:
+        put = run.queue.put_nowait
+        try:
+            async with asyncio.timeout(self.cfg.request_timeout):
+                await self._attempts(run, plan, rid)
+            put(_END)
+        except TimeoutError:
+            self.metrics.errors.labels("timeout").inc()
+            put(UpstreamError(504, f"request timed out after {self.cfg.request_timeout:g} s", type="timeout",
+                              worker_url=None))
+        except (UpstreamError, ApiError) as e:
+            self.metrics.errors.labels(e.type).inc()
+            put(e)
+        except Exception as e:  # a bug: still reaches the client
+            logger.exception("rid=%s dispatch failed", rid)
+            put(UpstreamError(500, f"router internal error: {type(e).__name__}: {e}", type="internal_error",
+                              worker_url=None))
+
+    async def _attempts(self, run: RequestRun, plan: GenerationPlan, rid: str) -> None:
+        assert self.client is not None, "Dispatcher.open() was not called"
+        put = run.queue.put_nowait
+        exclude: set[str] = set()
+        last_error: UpstreamError | None = None
+        for k in range(self.cfg.max_retries + 1):
+            try:
+                decode, prefill = self._pick(plan, frozenset(exclude))
+            except ApiError:
+                if last_error is not None:
+                    raise last_error from None
+                raise
+            run.attempts = k + 1
+            attempt = Attempt(self.client, plan, rid if k == 0 else f"{rid}.r{k}", decode, prefill,
+                              secrets.randbits(63), self.background)
+            sent = False
+            ok = False
+            try:
+                async for ev in attempt.events():
+                    put(ev)
+                    sent = True
+                ok = True
+                return
+            except UpstreamError as e:
+                attempt.fail(e)
+                if sent or not e.retryable or k == self.cfg.max_retries:
+                    raise
+                last_error = e
+                if e.worker_url:
+                    exclude.add(e.worker_url)
+                self.metrics.retries.labels(e.type).inc()
+                logger.info("rid=%s attempt %d failed (%s), retrying", rid, k + 1, e.message)
+            finally:
+                await attempt.aclose(cancel_prefill=not ok)
+            await asyncio.sleep(self._backoff(k))
+
+    def _pick(self, plan: GenerationPlan, exclude: frozenset[str]) -> tuple[Any, Any]:
+        reg = self.registry
+        if not self.cfg.disaggregated:
+            return reg.select("colocated", plan.input_ids, exclude), None
+        prefill = reg.select("prefill", plan.input_ids, exclude)
+        decode = reg.select("decode", plan.input_ids, exclude)
+        return decode, prefill
+
+    def _backoff(self, k: int) -> float:
+        base = min(self.cfg.retry_backoff_max, self.cfg.retry_backoff_initial * (2**k))
+        return base * random.uniform(0.5, 1.5)

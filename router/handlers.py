@@ -1,0 +1,162 @@
+"""The generation routes' hot path: read, validate, dispatch, answer.
+
+    body -> RequestParser (400s here, nothing sent) -> Dispatcher.start
+         -> wait for the first worker event (or the client leaving)
+            error before it      -> HTTP error (OpenAI shape), never an empty 200
+            non-streaming        -> one JSON body
+            streaming            -> SSE: first event, the rest, usage chunk, [DONE];
+                                    a failure after that is an in-band error event
+         -> client disconnect at any point cancels the run (both upstreams close)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable
+from typing import TYPE_CHECKING, TypeVar
+
+from fastapi import Request
+from fastapi.responses import Response, StreamingResponse
+
+from router.errors import ApiError, UpstreamError
+from router.fields import decode_json_object
+from router.openai_request import safe_rid
+from router.openai_response import SSE_DONE, ResponseFormatter, sse
+from router.plan import Api, GenerationPlan
+from router.upstream import WorkerEvent
+
+if TYPE_CHECKING:
+    from router.app import Router
+    from router.dispatcher import RequestRun
+
+logger = logging.getLogger("router.request")
+T = TypeVar("T")
+ROUTES: dict[Api, str] = {"completion": "/v1/completions", "chat": "/v1/chat/completions", "generate": "/generate"}
+
+
+class ClientGone(Exception):
+    pass
+
+
+def json_response(body: bytes, status: int, rid: str | None) -> Response:
+    headers = {"X-Request-Id": rid} if rid else None
+    return Response(body, status_code=status, media_type="application/json", headers=headers)
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The body, or 413 as soon as it is known to exceed `limit` bytes."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise ApiError(413, f"request body is {declared} bytes; the limit is {limit}", code="payload_too_large")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise ApiError(413, f"request body exceeds the limit of {limit} bytes", code="payload_too_large")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+async def _unless_disconnected(request: Request, aw: Awaitable[T]) -> T:
+    """Await `aw`, or raise ClientGone if the client disconnects first (body already read)."""
+    main = asyncio.ensure_future(aw)
+    watch = asyncio.ensure_future(request.receive())
+    try:
+        await asyncio.wait((main, watch), return_when=asyncio.FIRST_COMPLETED)
+        if main.done():
+            return main.result()
+        if watch.result().get("type") == "http.disconnect":
+            raise ClientGone
+        return await main
+    finally:
+        watch.cancel()
+        if not main.done():
+            main.cancel()
+
+
+class GenerationHandler:
+    def __init__(self, router: Router) -> None:
+        self.router = router
+        self.parser = router.parser
+        self.metrics = router.metrics
+        self.max_body = router.cfg.max_body_bytes
+
+    async def handle(self, request: Request, api: Api) -> Response:
+        t0 = time.perf_counter()
+        route = ROUTES[api]
+        rid = request.headers.get("x-request-id")
+        if rid is not None and not safe_rid(rid):
+            rid = None
+        try:
+            body = decode_json_object(await read_body(request, self.max_body), request.headers.get("content-type"))
+            if api == "completion":
+                plan = self.parser.completion(body)
+            elif api == "chat":
+                plan = self.parser.chat(body)
+            else:
+                plan = self.parser.generate(body)
+        except ApiError as e:
+            return self._error(route, e, rid or uuid.uuid4().hex)
+        rid = rid or plan.client_rid or uuid.uuid4().hex
+        run = self.router.dispatcher.start(plan, rid)
+        try:
+            first = await _unless_disconnected(request, run.first())
+        except ApiError as e:
+            return self._error(route, e, rid)
+        except ClientGone:
+            run.cancel()
+            self.metrics.requests.labels(route, "499").inc()
+            return Response(status_code=499)
+        except BaseException:
+            run.cancel()
+            raise
+        if not plan.stream:
+            self._done(route, "200", t0)
+            if api == "generate":
+                return json_response(first.raw, 200, rid)
+            return json_response(ResponseFormatter(plan, rid, self.router.model).full(first.data), 200, rid)
+        self.metrics.ttft.labels(route).observe(time.perf_counter() - t0)
+        return StreamingResponse(self._stream(plan, rid, run, first, route, t0), media_type="text/event-stream",
+                                 headers={"X-Request-Id": rid, "Cache-Control": "no-cache"})
+
+    async def _stream(self, plan: GenerationPlan, rid: str, run: RequestRun, first: WorkerEvent, route: str,
+                      t0: float) -> AsyncIterator[bytes]:
+        native = plan.api == "generate"
+        fmt = None if native else ResponseFormatter(plan, rid, self.router.model)
+        itl = self.metrics.itl.labels(route)
+        status = "client_gone"
+        last = time.perf_counter()
+        try:
+            yield b"data: " + first.raw + b"\n\n" if fmt is None else fmt.chunk(first.data)
+            try:
+                async for ev in run:
+                    now = time.perf_counter()
+                    itl.observe(now - last)
+                    last = now
+                    out = b"data: " + ev.raw + b"\n\n" if fmt is None else fmt.chunk(ev.data)
+                    if out:
+                        yield out
+            except UpstreamError as e:
+                logger.warning("rid=%s failed mid-stream: %s", rid, e.message)
+                status = "stream_error"
+                yield sse(e.to_api_error().body()) + SSE_DONE
+                return
+            yield SSE_DONE if fmt is None else fmt.tail()
+            status = "200"
+        finally:
+            run.cancel()
+            self._done(route, status, t0)
+
+    def _done(self, route: str, status: str, t0: float) -> None:
+        self.metrics.requests.labels(route, status).inc()
+        self.metrics.e2e.labels(route).observe(time.perf_counter() - t0)
+
+    def _error(self, route: str, e: ApiError, rid: str) -> Response:
+        self.metrics.requests.labels(route, str(e.status)).inc()
+        if e.status >= 500:
+            logger.warning("rid=%s %s: %d %s", rid, route, e.status, e.message)
+        return json_response(e.encode(), e.status, rid)
+

@@ -1,0 +1,139 @@
+"""Periodic health checks and the readiness gate.
+
+Every `health_check_interval` s each worker gets GET /health (bounded by
+`health_check_timeout`); `health_failure_threshold` failures in a row mark it
+down, `health_success_threshold` successes mark it up (a new worker: its first
+success). A prefill worker without a configured bootstrap port learns it from
+GET /server_info.
+
+Ready (GET /health of the router) = at least one healthy worker of each role AND,
+in PD mode, one real bootstrap round trip succeeded: a tiny /generate
+(max_new_tokens=1) sent to a healthy (P, D) pair with a fresh room. The round
+trip is retried each interval until it succeeds, and again whenever a role had
+no healthy worker left.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import uuid
+
+import httpx
+import msgspec
+
+from router.config import RouterConfig
+from router.metrics import RouterMetrics
+from router.plan import Bootstrap, GenerationPlan
+from router.registry import WorkerRegistry
+from router.worker import Worker
+
+logger = logging.getLogger("router.health")
+
+
+class HealthChecker:
+    def __init__(self, cfg: RouterConfig, registry: WorkerRegistry, metrics: RouterMetrics,
+                 probe_input_ids: list[int]) -> None:
+        self.cfg = cfg
+        self.registry = registry
+        self.metrics = metrics
+        self.probe_input_ids = probe_input_ids or [0]
+        self.pd_verified = not cfg.disaggregated
+        self.last_probe_error: str | None = None
+        self._client: httpx.AsyncClient | None = None
+        self._task: asyncio.Task[None] | None = None
+
+    @property
+    def ready(self) -> bool:
+        return self.pd_verified and all(self.registry.available(r) for r in self.registry.roles)
+
+    def start(self) -> None:
+        self._client = httpx.AsyncClient(timeout=self.cfg.health_check_timeout, trust_env=False,
+                                         limits=httpx.Limits(max_keepalive_connections=64))
+        self._task = asyncio.ensure_future(self._loop())
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        if self._client is not None:
+            await self._client.aclose()
+
+    async def _loop(self) -> None:
+        while True:
+            try:
+                await self.check_all()
+            except Exception:
+                logger.exception("health round failed")
+            await asyncio.sleep(self.cfg.health_check_interval)
+
+    async def check_all(self) -> None:
+        workers = self.registry.all()
+        await asyncio.gather(*(self.check_worker(w) for w in workers))
+        if self.cfg.disaggregated:
+            if not all(any(w.health.healthy for w in self.registry.of_role(r)) for r in self.registry.roles):
+                self.pd_verified = False
+            if not self.pd_verified:
+                await self.probe_pair()
+
+    async def check_worker(self, w: Worker) -> None:
+        assert self._client is not None, "HealthChecker.start() was not called"
+        error = None
+        try:
+            resp = await self._client.get(w.url + "/health")
+            if resp.status_code != 200:
+                error = f"/health returned {resp.status_code}"
+            elif w.role == "prefill" and w.bootstrap_port is None:
+                w.bootstrap_port = await self._learn_bootstrap_port(w)
+        except httpx.HTTPError as e:
+            error = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+        except (msgspec.DecodeError, ValueError, TypeError) as e:
+            error = f"bad /server_info: {e}"
+        cfg = self.cfg
+        self.metrics.health_checks.labels(w.role, "ok" if error is None else "fail").inc()
+        if w.health.record(error is None, error, cfg.health_failure_threshold, cfg.health_success_threshold):
+            logger.warning("worker %s (%s) is now %s%s", w.url, w.role, "UP" if w.health.healthy else "DOWN",
+                           f": {error}" if error else "")
+
+    async def _learn_bootstrap_port(self, w: Worker) -> int:
+        assert self._client is not None
+        resp = await self._client.get(w.url + "/server_info")
+        resp.raise_for_status()
+        port = msgspec.json.decode(resp.content).get("bootstrap_port")
+        if port is None:  # bootstrap routes served on the HTTP port itself
+            port = httpx.URL(w.url).port or 80
+        if not isinstance(port, int) or not 0 < port < 65536:
+            raise ValueError(f"bootstrap_port {port!r}")
+        return port
+
+    async def probe_pair(self) -> bool:
+        """One real PD round trip through a healthy pair; sets pd_verified on success."""
+        assert self._client is not None
+        prefills, decodes = self.registry.available("prefill"), self.registry.available("decode")
+        if not prefills or not decodes:
+            return False
+        p, d = prefills[0], decodes[0]
+        assert p.bootstrap_port is not None
+        plan = GenerationPlan("generate", self.cfg.model_name, self.probe_input_ids,
+                              {"max_new_tokens": 1, "temperature": 0.0}, stream=False)
+        rid = "health-" + uuid.uuid4().hex
+        body = plan.worker_body(rid, Bootstrap(p.host, p.bootstrap_port, secrets.randbits(63)), stream=False)
+        timeout = max(self.cfg.health_check_timeout, min(self.cfg.request_timeout, 30.0))
+        headers = {"Content-Type": "application/json", "X-Request-Id": rid}
+        try:
+            rp, rd = await asyncio.gather(
+                self._client.post(p.url + "/generate", content=body, headers=headers, timeout=timeout),
+                self._client.post(d.url + "/generate", content=body, headers=headers, timeout=timeout),
+            )
+        except httpx.HTTPError as e:
+            self.last_probe_error = f"{type(e).__name__}: {e}"
+        else:
+            if rp.status_code == 200 and rd.status_code == 200:
+                self.pd_verified, self.last_probe_error = True, None
+                logger.info("bootstrap round trip %s -> %s succeeded; router is ready", p.url, d.url)
+                return True
+            self.last_probe_error = (f"prefill {p.url} -> {rp.status_code} {rp.text[:200]}; "
+                                     f"decode {d.url} -> {rd.status_code} {rd.text[:200]}")
+        logger.warning("bootstrap round trip failed: %s", self.last_probe_error)
+        return False

@@ -1,0 +1,57 @@
+"""Prometheus metrics of one router (own CollectorRegistry, so several routers can share a process).
+
+Hot-path metrics are plain counters/histograms; per-worker gauges (health, breaker,
+in-flight load) are read from the registry at scrape time by a custom collector.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from router.registry import WorkerRegistry
+
+_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+_ITL_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
+
+
+class _WorkerCollector(Collector):
+    def __init__(self, registry: WorkerRegistry) -> None:
+        self.registry = registry
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        labels = ["url", "role"]
+        healthy = GaugeMetricFamily("router_worker_healthy", "1 if the worker passes health checks", labels=labels)
+        breaker = GaugeMetricFamily("router_worker_breaker_state", "0 closed, 1 half-open, 2 open", labels=labels)
+        reqs = GaugeMetricFamily("router_worker_inflight_requests", "requests in flight", labels=labels)
+        toks = GaugeMetricFamily("router_worker_inflight_tokens", "tokens of requests in flight", labels=labels)
+        for w in self.registry.all():
+            lv = [w.url, w.role]
+            healthy.add_metric(lv, 1.0 if w.health.healthy else 0.0)
+            breaker.add_metric(lv, float(w.breaker.state))
+            reqs.add_metric(lv, float(w.in_flight_requests))
+            toks.add_metric(lv, float(w.in_flight_tokens))
+        yield from (healthy, breaker, reqs, toks)
+
+
+class RouterMetrics:
+    def __init__(self, registry: WorkerRegistry) -> None:
+        self.prom = CollectorRegistry()
+        r = self.prom
+        self.requests = Counter("router_requests", "requests by route and status", ["route", "status"], registry=r)
+        self.ttft = Histogram("router_ttft_seconds", "time to first token (streamed)", ["route"],
+                              buckets=_LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("router_itl_seconds", "time between streamed events", ["route"], buckets=_ITL_BUCKETS,
+                             registry=r)
+        self.e2e = Histogram("router_e2e_seconds", "request latency, arrival to last byte", ["route"],
+                             buckets=_LATENCY_BUCKETS, registry=r)
+        self.retries = Counter("router_retries", "attempts retried", ["reason"], registry=r)
+        self.errors = Counter("router_errors", "failed requests by cause", ["cause"], registry=r)
+        self.health_checks = Counter("router_health_checks", "health probes", ["role", "result"], registry=r)
+        r.register(_WorkerCollector(registry))
+
+    def render(self) -> bytes:
+        return generate_latest(self.prom)

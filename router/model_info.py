@@ -1,0 +1,108 @@
+"""What the router needs from the model directory: tokenizer, chat template, context length.
+
+Loaded once at startup (`ModelInfo.load`); read-only afterwards. The router
+tokenizes and applies the chat template so both roles see identical input ids;
+text comes back from the workers, the router never re-detokenizes output.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+from router.errors import ApiError
+
+_CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length", "n_ctx")
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    name: str  # the model id in /v1/models and responses
+    path: str
+    context_length: int
+    vocab_size: int
+    tokenizer: Any  # transformers PreTrainedTokenizerBase
+
+    @classmethod
+    def load(cls, model_path: str, served_name: str | None = None, context_length: int | None = None) -> ModelInfo:
+        tokenizer = load_tokenizer(model_path)
+        ctx = context_length or _context_from_config(Path(model_path))
+        if ctx is None:
+            limit = getattr(tokenizer, "model_max_length", None)
+            ctx = limit if isinstance(limit, int) and 0 < limit < 10_000_000 else None
+        if ctx is None:
+            raise ValueError(f"cannot find the context length of {model_path}; pass --context-length")
+        return cls(served_name or model_path, model_path, int(ctx), len(tokenizer), tokenizer)
+
+    @property
+    def has_chat_template(self) -> bool:
+        return bool(getattr(self.tokenizer, "chat_template", None))
+
+    def encode(self, text: str) -> list[int]:
+        try:
+            return list(_encode(self.tokenizer, text))
+        except UnicodeEncodeError:
+            raise ApiError(400, "prompt is not valid Unicode (lone surrogate?)", param="prompt") from None
+
+    def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
+        if not self.has_chat_template:
+            raise ApiError(400, f"model {self.name} has no chat template; use /v1/completions", param="messages")
+        try:
+            text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        except Exception as e:  # jinja raise_exception() in templates reports bad conversations
+            raise ApiError(400, f"chat template rejected the messages: {e}", param="messages") from None
+        if not isinstance(text, str):
+            raise ApiError(500, "chat template did not render a string", type="internal_error")
+        # The template already holds any BOS; adding special tokens again would double it.
+        try:
+            return list(self.tokenizer.encode(text, add_special_tokens=False))
+        except UnicodeEncodeError:
+            raise ApiError(400, "messages are not valid Unicode (lone surrogate?)", param="messages") from None
+
+    def token_text(self, token_id: int) -> str:
+        return _token_text(self.tokenizer, token_id)
+
+
+def load_tokenizer(model_path: str) -> Any:
+    """AutoTokenizer's choice, without its AutoConfig detour (which imports torch, ~3 s).
+
+    AutoTokenizer takes `tokenizer_class` from tokenizer_config.json when it is set; so do
+    we, and fall back to AutoTokenizer itself for everything else."""
+    import transformers
+
+    try:
+        name = json.loads((Path(model_path) / "tokenizer_config.json").read_text()).get("tokenizer_class")
+    except (OSError, ValueError):
+        name = None
+    cls = getattr(transformers, name, None) if isinstance(name, str) else None
+    if cls is not None and hasattr(cls, "from_pretrained"):
+        try:
+            return cls.from_pretrained(model_path)
+        except Exception:  # odd configs: let AutoTokenizer decide
+            pass
+    return transformers.AutoTokenizer.from_pretrained(model_path)
+
+
+def _encode(tokenizer: Any, text: str) -> list[int]:
+    return tokenizer.encode(text, add_special_tokens=True)  # type: ignore[no-any-return]
+
+
+@lru_cache(maxsize=65536)
+def _token_text(tokenizer: Any, token_id: int) -> str:
+    return tokenizer.decode([token_id], skip_special_tokens=False)  # type: ignore[no-any-return]
+
+
+def _context_from_config(path: Path) -> int | None:
+    try:
+        cfg: dict[str, Any] = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    for scope in (cfg, cfg.get("text_config") or {}):
+        for key in _CONTEXT_KEYS:
+            v = scope.get(key)
+            if isinstance(v, int) and v > 0:
+                return v
+    return None

@@ -1,0 +1,224 @@
+"""Client body -> GenerationPlan: validation, chat template, tokenization, param mapping.
+
+    /v1/completions       prompt (str | [ids] | [str] | [[ids]], one prompt only)
+    /v1/chat/completions  messages (system/developer/user/assistant, text content)
+    /generate             SGLang-native: text | input_ids, sampling_params, ...
+
+Everything a worker could reject for the request's own sake is rejected here
+with an OpenAI-shaped 400, so nothing reaches a worker for a bad request.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from common.sampling_params import SamplingParams
+from router.errors import ApiError, bad_request
+from router.fields import get_bool, get_float, get_int, get_stop, get_str, get_token_ids
+from router.model_info import ModelInfo
+from router.plan import GenerationPlan
+
+CHAT_ROLES = frozenset({"system", "developer", "user", "assistant"})
+SGLANG_EXTRAS = ("top_k", "min_p", "repetition_penalty", "ignore_eos", "stop_token_ids", "skip_special_tokens")
+GENERATE_KEYS = frozenset(
+    {"text", "input_ids", "sampling_params", "stream", "rid", "return_logprob", "top_logprobs_num", "priority"}
+)
+MAX_TOP_LOGPROBS = 20
+
+
+class RequestParser:
+    """Stateless apart from the (read-only) model info; one per router."""
+
+    def __init__(self, model: ModelInfo, default_max_tokens_cap: int) -> None:
+        self.model = model
+        self.cap = default_max_tokens_cap
+
+    def completion(self, body: dict[str, Any]) -> GenerationPlan:
+        model = self._model(body)
+        ids = self._prompt_ids(body.get("prompt"))
+        if get_bool(body, "echo"):
+            raise bad_request("'echo' is not supported", "echo")
+        if get_int(body, "best_of", 1, lo=1) != 1:
+            raise bad_request("'best_of' > 1 is not supported", "best_of")
+        if get_str(body, "suffix"):
+            raise bad_request("'suffix' is not supported", "suffix")
+        logprobs = get_int(body, "logprobs", None, lo=0, hi=MAX_TOP_LOGPROBS)
+        params = self._sampling(body, ids, get_int(body, "max_tokens", None, lo=1))
+        return self._plan("completion", model, ids, params, body, logprobs, "completion")
+
+    def chat(self, body: dict[str, Any]) -> GenerationPlan:
+        model = self._model(body)
+        for unsupported in ("tools", "functions", "tool_choice", "function_call", "audio", "prediction"):
+            if body.get(unsupported) not in (None, [], "none"):
+                raise bad_request(f"'{unsupported}' is not supported", unsupported)
+        fmt = body.get("response_format")
+        if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type") != "text"):
+            raise bad_request("only response_format {'type': 'text'} is supported", "response_format")
+        ids = self.model.apply_chat_template(self._messages(body.get("messages")))
+        self._check_prompt_len(ids, "messages")
+        max_tokens = get_int(body, "max_completion_tokens", None, lo=1)
+        if max_tokens is None:
+            max_tokens = get_int(body, "max_tokens", None, lo=1)
+        logprobs = None
+        top = get_int(body, "top_logprobs", None, lo=0, hi=MAX_TOP_LOGPROBS)
+        if get_bool(body, "logprobs"):
+            logprobs = top or 0
+        elif top:
+            raise bad_request("'top_logprobs' requires 'logprobs': true", "top_logprobs")
+        params = self._sampling(body, ids, max_tokens)
+        return self._plan("chat", model, ids, params, body, logprobs, "chat")
+
+    def generate(self, body: dict[str, Any]) -> GenerationPlan:
+        unknown = sorted(set(body) - GENERATE_KEYS)
+        if unknown:
+            hint = " (set by the router)" if any(k.startswith("bootstrap_") for k in unknown) else ""
+            raise bad_request(f"unknown field(s) {', '.join(unknown)}{hint}", unknown[0])
+        has_text, has_ids = body.get("text") is not None, body.get("input_ids") is not None
+        if has_text == has_ids:
+            raise bad_request("exactly one of 'text' and 'input_ids' is required", "text")
+        if has_text:
+            text = get_str(body, "text")
+            assert text is not None
+            ids = self.model.encode(text)
+        else:
+            ids = get_token_ids(body["input_ids"], "input_ids", self.model.vocab_size)
+        self._check_prompt_len(ids, "input_ids" if has_ids else "text")
+        sp = body.get("sampling_params")
+        if sp is not None and not isinstance(sp, dict):
+            raise bad_request("'sampling_params' must be an object", "sampling_params")
+        params = self._validated(dict(sp or {}))
+        self._check_total_len(ids, params["max_new_tokens"], "sampling_params.max_new_tokens")
+        return_logprob = get_bool(body, "return_logprob")
+        top = get_int(body, "top_logprobs_num", 0, lo=0, hi=MAX_TOP_LOGPROBS) or 0
+        priority = get_int(body, "priority", None)
+        rid = get_str(body, "rid")
+        if rid is not None and not safe_rid(rid):
+            raise bad_request("'rid' must be 1-128 printable ASCII characters", "rid")
+        extra = {"priority": priority} if priority is not None else None
+        return GenerationPlan(
+            "generate", self.model.name, ids, params, get_bool(body, "stream"),
+            return_logprob=return_logprob, top_logprobs_num=top, extra=extra, client_rid=rid,
+        )
+
+    # -- helpers -------------------------------------------------------------------------------
+
+    def _model(self, body: dict[str, Any]) -> str:
+        name = get_str(body, "model")
+        if name is not None and name not in (self.model.name, self.model.path):
+            raise ApiError(404, f"model {name!r} does not exist; this router serves {self.model.name!r}",
+                           param="model", code="model_not_found")
+        if get_int(body, "n", 1) != 1:
+            raise bad_request("only n=1 is supported", "n")
+        return self.model.name
+
+    def _prompt_ids(self, prompt: Any) -> list[int]:
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
+            prompt = prompt[0]  # a batch of one
+        if isinstance(prompt, str):
+            ids = self.model.encode(prompt)
+        elif isinstance(prompt, list) and prompt and all(isinstance(p, str | list) for p in prompt):
+            raise bad_request("batched prompts are not supported; send one prompt per request", "prompt")
+        elif isinstance(prompt, list):
+            ids = get_token_ids(prompt, "prompt", self.model.vocab_size)
+        elif prompt is None:
+            raise bad_request("'prompt' is required", "prompt")
+        else:
+            raise bad_request("'prompt' must be a string or a list of token ids", "prompt")
+        self._check_prompt_len(ids, "prompt")
+        return ids
+
+    def _messages(self, messages: Any) -> list[dict[str, str]]:
+        if not isinstance(messages, list) or not messages:
+            raise bad_request("'messages' must be a non-empty array", "messages")
+        out = []
+        for i, m in enumerate(messages):
+            where = f"messages[{i}]"
+            if not isinstance(m, dict):
+                raise bad_request(f"{where} must be an object", where)
+            role = m.get("role")
+            if role not in CHAT_ROLES:
+                raise bad_request(f"{where}.role must be one of {sorted(CHAT_ROLES)}, got {role!r}", f"{where}.role")
+            out.append({"role": str(role), "content": _text_content(m.get("content"), f"{where}.content")})
+        return out
+
+    def _check_prompt_len(self, ids: list[int], param: str) -> None:
+        if not ids:
+            raise bad_request("the prompt is empty", param)
+        ctx = self.model.context_length
+        if len(ids) >= ctx:
+            raise bad_request(
+                f"the prompt has {len(ids)} tokens; this model's maximum context length is {ctx} tokens "
+                "(and at least one must be left for the completion)", param)
+
+    def _check_total_len(self, ids: list[int], max_new: int, param: str) -> None:
+        ctx = self.model.context_length
+        if len(ids) + max_new > ctx:
+            raise bad_request(
+                f"this model's maximum context length is {ctx} tokens; you requested {len(ids) + max_new} "
+                f"({len(ids)} in the prompt, {max_new} for the completion)", param)
+
+    def _sampling(self, body: dict[str, Any], ids: list[int], max_tokens: int | None) -> dict[str, Any]:
+        if max_tokens is None:
+            max_tokens = min(self.model.context_length - len(ids), self.cap)
+        self._check_total_len(ids, max_tokens, "max_tokens")
+        sp: dict[str, Any] = {"max_new_tokens": max_tokens}
+        for name in ("temperature", "top_p", "frequency_penalty", "presence_penalty", "min_p", "repetition_penalty"):
+            v = get_float(body, name)
+            if v is not None:
+                sp[name] = v
+        for name in ("seed", "top_k"):
+            v = get_int(body, name)
+            if v is not None:
+                sp[name] = v
+        stop = get_stop(body)
+        if stop:
+            sp["stop"] = stop
+        for name in ("ignore_eos", "skip_special_tokens"):
+            if body.get(name) is not None:
+                sp[name] = get_bool(body, name)
+        if body.get("stop_token_ids") is not None:
+            sp["stop_token_ids"] = get_token_ids(body["stop_token_ids"], "stop_token_ids", self.model.vocab_size,
+                                                 allow_empty=True)
+        if body.get("logit_bias"):
+            raise bad_request("'logit_bias' is not supported", "logit_bias")
+        return self._validated(sp)
+
+    def _validated(self, sp: dict[str, Any]) -> dict[str, Any]:
+        try:
+            params = SamplingParams.from_dict(sp)
+            params.validate(self.model.vocab_size)
+        except ValueError as e:
+            raise bad_request(str(e), "sampling_params") from None
+        return msgspec.to_builtins(params)  # type: ignore[no-any-return]
+
+    def _plan(self, api: Any, model: str, ids: list[int], sp: dict[str, Any], body: dict[str, Any],
+              logprobs: int | None, mode: Any) -> GenerationPlan:
+        stream = get_bool(body, "stream")
+        opts = body.get("stream_options")
+        if opts is not None and not isinstance(opts, dict):
+            raise bad_request("'stream_options' must be an object", "stream_options")
+        include_usage = get_bool(opts or {}, "include_usage")
+        return GenerationPlan(
+            api, model, ids, sp, stream, include_usage=stream and include_usage,
+            return_logprob=logprobs is not None, top_logprobs_num=logprobs or 0,
+            logprobs_mode=mode if logprobs is not None else "none",
+        )
+
+
+def _text_content(content: Any, where: str) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts = []
+        for part in content:
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise bad_request(f"{where}: only text parts {{'type': 'text', 'text': str}} are supported", where)
+            parts.append(part["text"])
+        return "".join(parts)
+    raise bad_request(f"{where} must be a string or a list of text parts", where)
+
+
+def safe_rid(rid: str) -> bool:
+    return 0 < len(rid) <= 128 and rid.isascii() and rid.isprintable()

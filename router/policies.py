@@ -1,0 +1,129 @@
+"""Load-balancing policies: pick one worker among the available candidates.
+
+One policy object per role (prefill, decode, colocated). `select` is called on the
+event loop with a non-empty list of available workers; it must be cheap.
+"""
+
+from __future__ import annotations
+
+import random
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+
+from router.prefix_tree import PrefixTree
+from router.worker import Worker
+
+
+class Policy(ABC):
+    name: str
+
+    @abstractmethod
+    def select(self, candidates: Sequence[Worker], input_ids: Sequence[int]) -> Worker:
+        """Choose one of `candidates` (non-empty, all available) for a request with these tokens."""
+
+    def on_worker_removed(self, url: str) -> None:  # noqa: B027 (optional hook)
+        """Drop any state kept for `url`."""
+
+
+def _least_loaded(candidates: Sequence[Worker]) -> Worker:
+    return min(candidates, key=lambda w: (w.in_flight_requests, w.in_flight_tokens))
+
+
+class RoundRobinPolicy(Policy):
+    name = "round_robin"
+
+    def __init__(self) -> None:
+        self._next = 0
+
+    def select(self, candidates: Sequence[Worker], input_ids: Sequence[int]) -> Worker:
+        w = candidates[self._next % len(candidates)]
+        self._next += 1
+        return w
+
+
+class RandomPolicy(Policy):
+    name = "random"
+
+    def __init__(self, rng: random.Random | None = None) -> None:
+        self._rng = rng or random.Random()
+
+    def select(self, candidates: Sequence[Worker], input_ids: Sequence[int]) -> Worker:
+        return self._rng.choice(candidates)
+
+
+class PowerOfTwoPolicy(Policy):
+    """Sample two distinct workers, take the one with fewer in-flight requests (then tokens)."""
+
+    name = "power_of_two"
+
+    def __init__(self, rng: random.Random | None = None) -> None:
+        self._rng = rng or random.Random()
+
+    def select(self, candidates: Sequence[Worker], input_ids: Sequence[int]) -> Worker:
+        if len(candidates) == 1:
+            return candidates[0]
+        a, b = self._rng.sample(list(candidates), 2)
+        return _least_loaded((a, b))
+
+
+class CacheAwarePolicy(Policy):
+    """Prefix affinity while the load is balanced, least load when it is not.
+
+    Imbalanced when max_load - min_load > balance_abs AND max_load > balance_rel * min_load
+    (loads = in-flight requests). Otherwise the worker with the longest matched prefix wins
+    if match/len(prompt) >= cache_threshold; else the least loaded. The chosen worker's
+    tree gets the prompt either way.
+    """
+
+    name = "cache_aware"
+
+    def __init__(
+        self,
+        cache_threshold: float = 0.5,
+        balance_abs: int = 32,
+        balance_rel: float = 1.5,
+        max_tree_tokens: int = 1 << 20,
+    ) -> None:
+        self.cache_threshold = cache_threshold
+        self.balance_abs = balance_abs
+        self.balance_rel = balance_rel
+        self.tree = PrefixTree(max_tree_tokens)
+
+    def select(self, candidates: Sequence[Worker], input_ids: Sequence[int]) -> Worker:
+        loads = [w.load for w in candidates]
+        hi, lo = max(loads), min(loads)
+        if len(candidates) > 1 and hi - lo > self.balance_abs and hi > self.balance_rel * lo:
+            chosen = _least_loaded(candidates)
+        else:
+            matched = self.tree.match(input_ids) if input_ids else {}
+            best = max(candidates, key=lambda w: (matched.get(w.url, 0), -w.load))
+            hit = matched.get(best.url, 0)
+            if input_ids and hit / len(input_ids) >= self.cache_threshold:
+                chosen = best
+            else:
+                chosen = _least_loaded(candidates)
+        if input_ids:
+            self.tree.insert(input_ids, chosen.url)
+        return chosen
+
+    def on_worker_removed(self, url: str) -> None:
+        self.tree.remove_worker(url)
+
+
+def make_policy(
+    name: str,
+    *,
+    cache_threshold: float = 0.5,
+    balance_abs: int = 32,
+    balance_rel: float = 1.5,
+    max_tree_tokens: int = 1 << 20,
+) -> Policy:
+    if name == "round_robin":
+        return RoundRobinPolicy()
+    if name == "random":
+        return RandomPolicy()
+    if name == "power_of_two":
+        return PowerOfTwoPolicy()
+    if name == "cache_aware":
+        return CacheAwarePolicy(cache_threshold, balance_abs, balance_rel, max_tree_tokens)
+    raise ValueError(f"unknown policy {name!r}")
