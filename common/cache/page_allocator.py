@@ -77,9 +77,10 @@ class PageAllocator:
     def alloc_slots(self, seq_len: int, last_slot: int | None, n: int) -> list[int] | None:
         """Token slots for n tokens appended to a sequence of seq_len tokens; None if out of pages.
 
-        The sequence's last token sits at `last_slot` (None when seq_len == 0). Its last
-        page still has (-seq_len) % page_size free slots; those are used first, then
-        whole new pages. All or nothing: on None no page was taken.
+        The sequence's last token sits at `last_slot` (None when seq_len == 0; ignored
+        when the last page is full). That page still has (-seq_len) % page_size free
+        slots; those are used first, then whole new pages. All or nothing: on None no
+        page was taken.
 
             page_size = 4, seq_len = 6 (tokens t0..t5), last_slot = 29 (page 7, offset 1), n = 7
 

@@ -14,8 +14,10 @@ request, or owned by this tree. For one request:
                      |  TREE-owned      |  (allocator.alloc_slots) |  request-owned |
 
 - match_prefix(): the returned slots stay the tree's. The caller locks
-  `last_node` (inc_lock_ref) before using them and unlocks it (dec_lock_ref)
-  when done with them; it never frees them.
+  `last_node` (inc_lock_ref) right away, before anything can evict, and unlocks
+  it (dec_lock_ref) when done with them; it never frees them. Locking moves
+  pages from evictable to protected, so recheck a memory budget after it.
+  NOTE: a node handle stays valid across splits (the new node goes above it).
 - insert(tokens, slots) (request finished, or a prefill chunk done) returns
   `already`, the number of leading tokens the tree held before the call:
       [0, prefix_len)            the tree's already: nothing to do
