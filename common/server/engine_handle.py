@@ -1,0 +1,96 @@
+"""The engine child process of one instance, as seen by its launcher.
+
+EngineHandle spawns `engine_main(server_args, ipc_addrs)` in a fresh process
+(multiprocessing "spawn": no inherited CUDA or event-loop state), reports when
+it has died and why, and stops it (SIGTERM, then SIGKILL after a bound).
+
+Inside the child, `_engine_entry` sets up logging, ignores SIGINT (Ctrl-C in a
+terminal reaches the whole process group; the frontend decides when the engine
+stops), and exits on its own when its parent frontend disappears, so an engine
+never outlives its frontend even after a kill -9.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import os
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable
+
+from common.server.ipc import EngineIpcAddrs
+from common.server.server_args import ServerArgs
+
+logger = logging.getLogger(__name__)
+
+EngineMain = Callable[[ServerArgs, EngineIpcAddrs], None]
+PARENT_POLL_S = 0.5
+LOG_FORMAT = "%(asctime)s %(levelname)s %(processName)s[%(process)d] %(name)s: %(message)s"
+
+
+def configure_logging(level: str) -> None:
+    logging.basicConfig(level=level.upper(), format=LOG_FORMAT)
+
+
+def _exit_when_orphaned(parent_pid: int) -> None:
+    while True:
+        time.sleep(PARENT_POLL_S)
+        if os.getppid() != parent_pid:
+            logger.error("frontend process %d is gone; engine exits", parent_pid)
+            os._exit(1)
+
+
+def _engine_entry(engine_main: EngineMain, args: ServerArgs, addrs: EngineIpcAddrs, parent_pid: int) -> None:
+    configure_logging(args.log_level)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    threading.Thread(target=_exit_when_orphaned, args=(parent_pid,), name="orphan-watch", daemon=True).start()
+    try:
+        engine_main(args, addrs)
+    except Exception:
+        logger.exception("engine failed")
+        sys.exit(1)
+
+
+class EngineHandle:
+    """Owned by the launcher; the frontend only asks `dead_reason()`."""
+
+    def __init__(self, args: ServerArgs, addrs: EngineIpcAddrs, engine_main: EngineMain) -> None:
+        ctx = multiprocessing.get_context("spawn")
+        self._proc = ctx.Process(
+            target=_engine_entry,
+            args=(engine_main, args, addrs, os.getpid()),
+            name="pdserve-engine",
+        )
+
+    def start(self) -> None:
+        self._proc.start()
+        logger.info("engine process started (pid %s)", self._proc.pid)
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid
+
+    def dead_reason(self) -> str | None:
+        """None while the engine runs, else how it ended."""
+        if self._proc.pid is None or self._proc.is_alive():
+            return None
+        code = self._proc.exitcode
+        if code is not None and code < 0:
+            try:
+                return f"killed by signal {signal.Signals(-code).name}"
+            except ValueError:
+                return f"killed by signal {-code}"
+        return f"exited with code {code}"
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        if self._proc.pid is None or not self._proc.is_alive():
+            return
+        self._proc.terminate()
+        self._proc.join(timeout_s)
+        if self._proc.is_alive():
+            logger.warning("engine did not stop within %ss of SIGTERM; killing it", timeout_s)
+            self._proc.kill()
+            self._proc.join(timeout_s)

@@ -1,0 +1,183 @@
+"""The instance's HTTP app: /generate, /health, /server_info, /metrics, /abort_request.
+
+One exception boundary: every failure leaves as the error shape of
+docs/generate_api.md ({"error": {"message", "type", "code"}}), including
+FastAPI's own 404/405 and unexpected exceptions (500). A streaming response
+whose headers are already out reports a failure as one `data: {"error": ...}`
+event followed by `data: [DONE]`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+import msgspec
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import Response, StreamingResponse
+from starlette.background import BackgroundTask
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from common.server.protocol import (
+    MAX_BODY_BYTES,
+    ApiError,
+    decode_abort_body,
+    decode_generate_body,
+    error_body,
+)
+from common.server.req_state import ReqState
+from common.server.tokenizer_manager import TokenizerManager
+
+logger = logging.getLogger(__name__)
+
+DRAIN_LIMIT_BYTES = 64 * 1024 * 1024  # past this an oversized body is not even read to the end
+DISCONNECT_POLL_S = 0.1
+HEALTH_TIMEOUT_S = 2.0
+METRICS_STATS_TIMEOUT_S = 1.0
+CLIENT_CLOSED_STATUS = 499
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+def _json(status: int, content: Any) -> Response:
+    return Response(msgspec.json.encode(content), status_code=status, media_type="application/json")
+
+
+def _sse(payload: Any) -> bytes:
+    return b"data: " + msgspec.json.encode(payload) + b"\n\n"
+
+
+async def read_json_body(request: Request) -> bytes:
+    """The raw body, after content-type and size checks (415 / 413)."""
+    ctype = request.headers.get("content-type")
+    if ctype is not None:
+        mime = ctype.split(";", 1)[0].strip().lower()
+        if mime != "application/json" and not mime.endswith("+json"):
+            raise ApiError(415, f"Content-Type must be application/json, got {ctype!r}")
+    declared = request.headers.get("content-length")
+    too_big = declared is not None and declared.isdigit() and int(declared) > MAX_BODY_BYTES
+    body = bytearray()
+    seen = 0
+    async for part in request.stream():
+        seen += len(part)
+        if seen > MAX_BODY_BYTES:
+            too_big = True
+        if too_big:
+            if seen > DRAIN_LIMIT_BYTES:
+                break
+            continue
+        body += part
+    if too_big:
+        raise ApiError(413, f"request body is larger than {MAX_BODY_BYTES} bytes")
+    return bytes(body)
+
+
+def create_app(manager: TokenizerManager, server_info: dict[str, Any]) -> FastAPI:
+    app = FastAPI(title="pdserve instance", docs_url=None, redoc_url=None, openapi_url=None)
+    metrics = manager.metrics
+
+    @app.exception_handler(ApiError)
+    async def _api_error(_: Request, exc: ApiError) -> Response:
+        return _json(exc.status, exc.body())
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_: Request, exc: StarletteHTTPException) -> Response:
+        return _json(exc.status_code, error_body(exc.status_code, str(exc.detail)))
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(_: Request, exc: RequestValidationError) -> Response:
+        return _json(400, error_body(400, f"invalid request: {exc.errors()}"))
+
+    @app.exception_handler(Exception)
+    async def _internal_error(_: Request, exc: Exception) -> Response:
+        logger.exception("unhandled error")
+        return _json(500, error_body(500, f"internal error: {type(exc).__name__}: {exc}"))
+
+    @app.post("/generate")
+    async def generate(request: Request) -> Response:
+        try:
+            body = decode_generate_body(await read_json_body(request))
+            rid = body.rid or request.headers.get("x-request-id") or uuid.uuid4().hex
+            state = await manager.start(body, rid)
+        except ApiError as e:
+            metrics.requests.labels(status=str(e.status)).inc()
+            raise
+        if body.stream:
+            return StreamingResponse(
+                _sse_events(manager, state),
+                media_type="text/event-stream",
+                headers=SSE_HEADERS,
+                background=BackgroundTask(manager.release, state),
+            )
+        return await _collect_unless_disconnected(manager, state, request)
+
+    @app.get("/health")
+    async def health() -> Response:
+        await manager.get_stats(timeout_s=HEALTH_TIMEOUT_S)
+        return _json(200, {"status": "ok"})
+
+    @app.get("/server_info")
+    async def info() -> Response:
+        return _json(200, {**server_info, "engine_alive": manager.engine_dead is None})
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        try:
+            await manager.get_stats(timeout_s=METRICS_STATS_TIMEOUT_S)
+        except ApiError:
+            pass  # serve the last known engine stats, with pdserve_engine_up 0
+        return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.post("/abort_request")
+    async def abort_request(request: Request) -> Response:
+        rid = decode_abort_body(await read_json_body(request)).rid
+        if not manager.abort(rid):
+            raise ApiError(404, f"no request with rid {rid!r} is in flight")
+        return _json(200, {"rid": rid, "aborted": True})
+
+    return app
+
+
+async def _sse_events(manager: TokenizerManager, state: ReqState) -> AsyncIterator[bytes]:
+    status = 200
+    try:
+        async for chunk in manager.stream(state):
+            yield _sse(chunk.to_json())
+    except ApiError as e:
+        status = e.status
+        yield _sse(e.body())
+    except asyncio.CancelledError:
+        status = CLIENT_CLOSED_STATUS
+        raise
+    finally:
+        manager.metrics.requests.labels(status=str(status)).inc()
+    yield b"data: [DONE]\n\n"
+
+
+async def _collect_unless_disconnected(
+    manager: TokenizerManager, state: ReqState, request: Request
+) -> Response:
+    """Run the request to its end, but abort it as soon as the client hangs up."""
+    collect = asyncio.ensure_future(manager.collect(state))
+    try:
+        while not collect.done():
+            await asyncio.wait({collect}, timeout=DISCONNECT_POLL_S)
+            if not collect.done() and await request.is_disconnected():
+                collect.cancel()
+                manager.release(state)
+                manager.metrics.requests.labels(status=str(CLIENT_CLOSED_STATUS)).inc()
+                return Response(status_code=CLIENT_CLOSED_STATUS)
+        try:
+            result = collect.result()
+        except ApiError as e:
+            manager.metrics.requests.labels(status=str(e.status)).inc()
+            return _json(e.status, e.body())
+        manager.metrics.requests.labels(status="200").inc()
+        return _json(200, result.to_json())
+    finally:
+        if not collect.done():
+            collect.cancel()
+        manager.release(state)

@@ -1,0 +1,152 @@
+"""Request validation and tokenization at the frontend: body -> GenerateReq or ApiError(400).
+
+Length policy (documented choice):
+- an empty prompt, or a prompt of >= context_length tokens, is rejected (400);
+- max_new_tokens > context_length can never be served and is rejected (400);
+- otherwise, when prompt + max_new_tokens exceeds the context, max_new_tokens is
+  clipped to context_length - prompt_tokens (SGLang's behaviour), so a default
+  max_new_tokens never fails a long prompt.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from common.sampling_params import SamplingParams
+from common.server.io_struct import BootstrapInfo, GenerateReq
+from common.server.protocol import MAX_BOOTSTRAP_ROOM, MAX_TOP_LOGPROBS, GenerateRequestBody, bad_request
+from common.server.server_args import ServerArgs
+
+logger = logging.getLogger(__name__)
+
+MAX_RID_LEN = 256
+_CONTEXT_KEYS = ("max_position_embeddings", "max_sequence_length", "seq_length", "n_positions")
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What the frontend must know about the model to validate requests."""
+
+    context_length: int
+    vocab_size: int
+
+    @classmethod
+    def resolve(cls, args: ServerArgs, tokenizer: Any, engine_stats: dict[str, float]) -> ModelInfo:
+        """Engine's ready stats first (it loaded the model), then flags, then config.json."""
+        config = _read_hf_config(args.model_path)
+        context = engine_stats.get("context_length") or args.context_length
+        if not context:
+            context = next((config[k] for k in _CONTEXT_KEYS if isinstance(config.get(k), int)), None)
+        if not context:
+            raise RuntimeError(f"cannot tell the context length of {args.model_path}: pass --context-length")
+        vocab = engine_stats.get("vocab_size") or config.get("vocab_size") or len(tokenizer)
+        return cls(context_length=int(context), vocab_size=int(vocab))
+
+
+def _read_hf_config(model_path: str | None) -> dict[str, Any]:
+    if model_path is None:
+        return {}
+    path = Path(model_path) / "config.json"
+    if not path.is_file():
+        return {}
+    with open(path) as f:
+        config: dict[str, Any] = json.load(f)
+    text_config = config.get("text_config")
+    return {**config, **text_config} if isinstance(text_config, dict) else config
+
+
+class InputProcessor:
+    """Turns a decoded /generate body into the engine's GenerateReq. Stateless per call."""
+
+    def __init__(self, tokenizer: Any, info: ModelInfo, args: ServerArgs) -> None:
+        self.tokenizer = tokenizer
+        self.info = info
+        self._pd_mode = args.disaggregation_mode != "null"
+
+    def process(self, body: GenerateRequestBody, rid: str) -> GenerateReq:
+        if not rid or len(rid) > MAX_RID_LEN:
+            raise bad_request(f"rid must be 1..{MAX_RID_LEN} characters")
+        try:
+            params = SamplingParams.from_dict(body.sampling_params)
+            params.validate(self.info.vocab_size)
+        except ValueError as e:
+            raise bad_request(str(e)) from None
+        input_ids = self._prompt_ids(body)
+        params = self._fit_context(len(input_ids), params)
+        if not 0 <= body.top_logprobs_num <= MAX_TOP_LOGPROBS:
+            raise bad_request(
+                f"top_logprobs_num must be in [0, {MAX_TOP_LOGPROBS}], got {body.top_logprobs_num}"
+            )
+        if body.top_logprobs_num and not body.return_logprob:
+            raise bad_request("top_logprobs_num needs return_logprob=true")
+        if not -(2**31) <= body.priority < 2**31:
+            raise bad_request(f"priority must fit in 32 bits, got {body.priority}")
+        return GenerateReq(
+            rid=rid,
+            input_ids=input_ids,
+            sampling_params=params,
+            stream=body.stream,
+            return_logprob=body.return_logprob,
+            top_logprobs_num=body.top_logprobs_num,
+            bootstrap=self._bootstrap(body),
+            priority=body.priority,
+        )
+
+    def _prompt_ids(self, body: GenerateRequestBody) -> list[int]:
+        if (body.text is None) == (body.input_ids is None):
+            raise bad_request("give exactly one of `text` and `input_ids`")
+        if body.text is not None:
+            if not body.text:
+                raise bad_request("the prompt is empty")
+            ids: list[int] = list(self.tokenizer.encode(body.text))
+        else:
+            assert body.input_ids is not None
+            ids = body.input_ids
+            vocab = self.info.vocab_size
+            bad = next((t for t in ids if not 0 <= t < vocab), None)
+            if bad is not None:
+                raise bad_request(f"input_ids entry {bad} is outside the vocabulary [0, {vocab})")
+        if not ids:
+            raise bad_request("the prompt is empty")
+        return ids
+
+    def _fit_context(self, prompt_len: int, params: SamplingParams) -> SamplingParams:
+        context = self.info.context_length
+        if prompt_len >= context:
+            raise bad_request(
+                f"the prompt has {prompt_len} tokens; the model's context is {context} tokens "
+                f"(prompt + output), so at most {context - 1} prompt tokens fit"
+            )
+        if params.max_new_tokens > context:
+            raise bad_request(f"max_new_tokens {params.max_new_tokens} exceeds the context length {context}")
+        room = context - prompt_len
+        if params.max_new_tokens > room:
+            return msgspec.structs.replace(params, max_new_tokens=room)
+        return params
+
+    def _bootstrap(self, body: GenerateRequestBody) -> BootstrapInfo | None:
+        fields = (body.bootstrap_host, body.bootstrap_port, body.bootstrap_room)
+        given = sum(f is not None for f in fields)
+        if given == 0:
+            if self._pd_mode:
+                raise bad_request("bootstrap_host, bootstrap_port and bootstrap_room are required in PD mode")
+            return None
+        if given != 3:
+            raise bad_request("give all of bootstrap_host, bootstrap_port and bootstrap_room, or none")
+        assert body.bootstrap_host is not None and body.bootstrap_port is not None
+        assert body.bootstrap_room is not None
+        if not body.bootstrap_host:
+            raise bad_request("bootstrap_host is empty")
+        if not 0 < body.bootstrap_port < 65536:
+            raise bad_request(f"bootstrap_port must be 1..65535, got {body.bootstrap_port}")
+        if not 0 <= body.bootstrap_room <= MAX_BOOTSTRAP_ROOM:
+            raise bad_request(f"bootstrap_room must be in [0, 2^63-1], got {body.bootstrap_room}")
+        if not self._pd_mode:
+            return None
+        return BootstrapInfo(host=body.bootstrap_host, port=body.bootstrap_port, room=body.bootstrap_room)

@@ -1,0 +1,189 @@
+"""Start one instance: the engine process, then the HTTP frontend in this process.
+
+    launch_server(args, engine_main)
+      1. resolve args once (model path, tokenizer path, served name)
+      2. spawn the engine: engine_main(args, ipc_addrs) in a child process
+      3. load the tokenizer here while the engine loads the model
+      4. wait (bounded by --engine-start-timeout) for the engine's ready message
+         StatsResp(seq=READY_SEQ, stats={pool sizes...}); fail fast if it dies
+      5. serve uvicorn until SIGINT/SIGTERM, then stop the engine
+
+Keys the ready stats may carry (all optional, logged and shown in
+/server_info "pools"): context_length, vocab_size, max_total_tokens,
+num_pages, page_size, kv_pool_bytes, weights_bytes, load_time_s.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import sys
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from common.server.engine_handle import EngineHandle, EngineMain, configure_logging
+from common.server.ipc import READY_SEQ, EngineIpcAddrs, FrontendChannel
+from common.server.server_args import ServerArgs, parse_server_args
+
+if TYPE_CHECKING:
+    from fastapi import FastAPI
+
+logger = logging.getLogger(__name__)
+
+GRACEFUL_SHUTDOWN_S = 5
+AppHook = Callable[["FastAPI", ServerArgs], None]
+
+
+class LaunchError(RuntimeError):
+    """The instance could not start: bad model path, tokenizer, or the engine never got ready.
+
+    Logged where it is raised, so the operator sees it before shutdown finishes."""
+
+
+def _default_engine_main() -> EngineMain:
+    from common.server.engine_process import engine_main
+
+    return engine_main
+
+
+def _sigterm_as_interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+def launch_server(
+    server_args: ServerArgs,
+    engine_main: EngineMain | None = None,
+    *,
+    configure_app: AppHook | None = None,
+) -> None:
+    """Run the instance until SIGINT/SIGTERM. Raises LaunchError if the engine never gets ready.
+
+    `engine_main` runs in the spawned engine process (default:
+    common.server.engine_process.engine_main); it must be importable by name.
+    `configure_app` may add routes (e.g. prefill's bootstrap routes) before serving.
+    """
+    configure_logging(server_args.log_level)
+    try:
+        args = server_args.resolved()
+    except Exception as e:
+        logger.error("cannot resolve the model path %r: %s", server_args.model_path, e)
+        raise LaunchError(f"cannot resolve the model path {server_args.model_path!r}: {e}") from e
+    addrs = EngineIpcAddrs.new()
+    engine = EngineHandle(args, addrs, engine_main or _default_engine_main())
+    previous = signal.signal(signal.SIGTERM, _sigterm_as_interrupt)
+    try:
+        engine.start()
+        asyncio.run(_serve(args, addrs, engine, configure_app))
+    except KeyboardInterrupt:
+        logger.info("shutting down")
+    finally:
+        engine.stop()
+        addrs.remove_files()
+        signal.signal(signal.SIGTERM, previous)
+
+
+async def wait_for_engine_ready(
+    channel: FrontendChannel, engine: EngineHandle, timeout_s: float
+) -> dict[str, float]:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        reason = engine.dead_reason()
+        if reason is not None:
+            raise LaunchError(f"the engine process {reason} before it was ready (see its log above)")
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise LaunchError(f"the engine did not report ready within {timeout_s}s")
+        reply = await channel.recv(timeout_s=min(remaining, 0.25))
+        if reply is not None and getattr(reply, "seq", None) == READY_SEQ:
+            return dict(reply.stats)  # type: ignore[union-attr]
+
+
+def load_tokenizer(args: ServerArgs) -> Any:
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(args.tokenizer_path)
+    except Exception as e:
+        raise LaunchError(f"cannot load the tokenizer from {args.tokenizer_path}: {e}") from e
+
+
+def _log_ready(stats: dict[str, float], started: float) -> None:
+    logger.info("engine ready after %.1fs", time.monotonic() - started)
+    if "weights_bytes" in stats:
+        logger.info("weights loaded: %.2f GiB", stats["weights_bytes"] / 2**30)
+    if "max_total_tokens" in stats:
+        kv_bytes = stats.get("kv_pool_bytes", 0.0)
+        logger.info("KV pool: %d tokens, %.2f GiB", stats["max_total_tokens"], kv_bytes / 2**30)
+
+
+def server_info(args: ServerArgs, context_length: int, stats: dict[str, float]) -> dict[str, Any]:
+    max_total = stats.get("max_total_tokens", args.max_total_tokens)
+    return {
+        "model_path": args.model_path,
+        "served_model_name": args.served_model_name,
+        "context_length": context_length,
+        "page_size": args.page_size,
+        "max_total_tokens": int(max_total) if max_total is not None else None,
+        "disaggregation_mode": args.disaggregation_mode,
+        "bootstrap_port": args.disaggregation_bootstrap_port if args.is_prefill else None,
+        "pools": stats,
+    }
+
+
+async def _serve(
+    args: ServerArgs, addrs: EngineIpcAddrs, engine: EngineHandle, configure_app: AppHook | None
+) -> None:
+    import uvicorn
+
+    from common.server.http_server import create_app
+    from common.server.input_processor import InputProcessor, ModelInfo
+    from common.server.metrics import FrontendMetrics
+    from common.server.tokenizer_manager import TokenizerManager
+
+    started = time.monotonic()
+    channel = FrontendChannel(addrs)
+    tokenizer_task = asyncio.ensure_future(asyncio.to_thread(load_tokenizer, args))
+    try:
+        stats = await wait_for_engine_ready(channel, engine, args.engine_start_timeout)
+        tokenizer = await tokenizer_task
+    except LaunchError as e:
+        logger.error("%s", e)  # now, not after the tokenizer thread has finished
+        channel.close()
+        raise
+    except BaseException:
+        channel.close()
+        raise
+    _log_ready(stats, started)
+    info = ModelInfo.resolve(args, tokenizer, stats)
+    manager = TokenizerManager(
+        args, InputProcessor(tokenizer, info, args), channel, FrontendMetrics(), engine.dead_reason
+    )
+    manager.start_background()
+    app = create_app(manager, server_info(args, info.context_length, stats))
+    if configure_app is not None:
+        configure_app(app, args)
+    config = uvicorn.Config(
+        app,
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level,
+        access_log=args.log_level == "debug",
+        timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
+    )
+    server = uvicorn.Server(config)
+    logger.info("serving %s on %s (%s mode)", args.served_model_name, args.url(), args.disaggregation_mode)
+    try:
+        await server.serve()
+    finally:
+        await manager.close()
+
+
+def main(argv: list[str] | None = None, engine_main: EngineMain | None = None, **defaults: Any) -> None:
+    """CLI entry: parse flags (with role `defaults`), run the instance, exit 1 on a failed start."""
+    args = parse_server_args(argv, **defaults)
+    try:
+        launch_server(args, engine_main)
+    except LaunchError:
+        sys.exit(1)  # already logged where it happened

@@ -1,0 +1,260 @@
+"""ServerArgs: the one configuration record of an instance (frontend + engine).
+
+Built once from the command line (`from_cli_args`), resolved once (`resolved()`:
+default model path, tokenizer path, served name), then frozen and handed to
+both processes. Every argparse default is read from the dataclass, so each
+default is written exactly once. Flag names follow SGLang.
+
+Role packages set their role with `parser.set_defaults(disaggregation_mode=...)`
+after `add_cli_args(parser)`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+SCHEDULE_POLICIES = ("fcfs", "lpm", "lof", "random", "priority")
+ATTENTION_BACKENDS = ("torch", "flashinfer")
+DISAGGREGATION_MODES = ("null", "prefill", "decode")
+TRANSFER_BACKENDS = ("nixl",)
+DEVICES = ("auto", "cpu", "cuda")
+DTYPES = ("auto", "float32", "float16", "bfloat16")
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+
+
+@dataclass(frozen=True)
+class ServerArgs:
+    # Model and tokenizer
+    model_path: str | None = None
+    served_model_name: str | None = None
+    tokenizer_path: str | None = None
+    context_length: int | None = None
+    dtype: str = "auto"
+    device: str = "auto"
+    # HTTP
+    host: str = "127.0.0.1"
+    port: int = 30000
+    request_timeout: float | None = None
+    # Memory and scheduling
+    page_size: int = 16
+    chunked_prefill_size: int = 512
+    max_prefill_tokens: int = 4096
+    max_running_requests: int = 64
+    max_total_tokens: int | None = None
+    mem_fraction_static: float = 0.8
+    kv_cache_gb: float = 1.0
+    schedule_policy: str = "lpm"
+    schedule_conservativeness: float = 1.0
+    disable_overlap_schedule: bool = False
+    enable_mixed_chunk: bool = False
+    disable_radix_cache: bool = False
+    attention_backend: str = "torch"
+    random_seed: int | None = None
+    # Prefill/decode disaggregation
+    disaggregation_mode: str = "null"
+    disaggregation_bootstrap_port: int = 8998
+    disaggregation_transfer_backend: str = "nixl"
+    num_reserved_decode_tokens: int = 512
+    disaggregation_bootstrap_timeout: float = 300.0
+    disaggregation_transfer_timeout: float = 300.0
+    disaggregation_heartbeat_interval: float = 5.0
+    disaggregation_heartbeat_timeout: float = 15.0
+    disaggregation_fault_spec: str | None = None
+    # Process lifecycle
+    log_level: str = "info"
+    watchdog_timeout: float = 300.0
+    engine_start_timeout: float = 600.0
+
+    def __post_init__(self) -> None:
+        problem = self._first_problem()
+        if problem is not None:
+            raise ValueError(f"invalid server arguments: {problem}")
+
+    def _first_problem(self) -> str | None:
+        choices = {
+            "schedule_policy": SCHEDULE_POLICIES,
+            "attention_backend": ATTENTION_BACKENDS,
+            "disaggregation_mode": DISAGGREGATION_MODES,
+            "disaggregation_transfer_backend": TRANSFER_BACKENDS,
+            "device": DEVICES,
+            "dtype": DTYPES,
+            "log_level": LOG_LEVELS,
+        }
+        for name, allowed in choices.items():
+            if getattr(self, name) not in allowed:
+                return f"--{_flag(name)} must be one of {', '.join(allowed)}, got {getattr(self, name)!r}"
+        positive = ("page_size", "max_prefill_tokens", "max_running_requests", "engine_start_timeout")
+        for name in positive:
+            if getattr(self, name) <= 0:
+                return f"--{_flag(name)} must be > 0, got {getattr(self, name)}"
+        optional_positive = ("max_total_tokens", "context_length", "request_timeout")
+        for name in optional_positive:
+            value = getattr(self, name)
+            if value is not None and value <= 0:
+                return f"--{_flag(name)} must be > 0 when given, got {value}"
+        for name in (
+            "disaggregation_bootstrap_timeout",
+            "disaggregation_transfer_timeout",
+            "disaggregation_heartbeat_interval",
+            "disaggregation_heartbeat_timeout",
+            "watchdog_timeout",
+            "kv_cache_gb",
+            "schedule_conservativeness",
+        ):
+            if getattr(self, name) <= 0:
+                return f"--{_flag(name)} must be > 0, got {getattr(self, name)}"
+        for name in ("port", "disaggregation_bootstrap_port"):
+            if not 0 < getattr(self, name) < 65536:
+                return f"--{_flag(name)} must be a TCP port (1..65535), got {getattr(self, name)}"
+        if not 0.0 < self.mem_fraction_static < 1.0:
+            return f"--mem-fraction-static must be in (0, 1), got {self.mem_fraction_static}"
+        if self.num_reserved_decode_tokens < 0:
+            return f"--num-reserved-decode-tokens must be >= 0, got {self.num_reserved_decode_tokens}"
+        if self.chunked_prefill_size != -1 and (
+            self.chunked_prefill_size <= 0 or self.chunked_prefill_size % self.page_size
+        ):
+            return (
+                f"--chunked-prefill-size must be -1 (off) or a positive multiple of --page-size "
+                f"{self.page_size} (chunks are page aligned), got {self.chunked_prefill_size}"
+            )
+        if self.max_total_tokens is not None and self.max_total_tokens < self.page_size:
+            return f"--max-total-tokens {self.max_total_tokens} is smaller than one page ({self.page_size})"
+        if self.attention_backend == "flashinfer" and self.device == "cpu":
+            return "--attention-backend flashinfer needs CUDA; use --attention-backend torch on CPU"
+        if self.enable_mixed_chunk and self.disaggregation_mode != "null":
+            return "--enable-mixed-chunk mixes prefill and decode in one batch; it needs --disaggregation-mode null"
+        if self.disaggregation_heartbeat_timeout < self.disaggregation_heartbeat_interval:
+            return "--disaggregation-heartbeat-timeout must be >= --disaggregation-heartbeat-interval"
+        if self.disaggregation_mode == "prefill" and self.disaggregation_bootstrap_port == self.port:
+            return f"--disaggregation-bootstrap-port must differ from --port ({self.port})"
+        return None
+
+    # Derived values
+
+    @property
+    def is_prefill(self) -> bool:
+        return self.disaggregation_mode == "prefill"
+
+    @property
+    def is_decode(self) -> bool:
+        return self.disaggregation_mode == "decode"
+
+    @property
+    def effective_schedule_policy(self) -> str:
+        """LPM needs the radix cache; without it SGLang (and we) fall back to FCFS."""
+        if self.schedule_policy == "lpm" and self.disable_radix_cache:
+            return "fcfs"
+        return self.schedule_policy
+
+    def resolved_device(self) -> str:
+        """ "auto" -> "cuda" when torch sees a GPU, else "cpu" (imports torch)."""
+        if self.device != "auto":
+            return self.device
+        import torch
+
+        return "cuda" if torch.cuda.is_available() else "cpu"
+
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def resolved(self) -> ServerArgs:
+        """Fill the path defaults once: model (None/"default" -> the default real model), tokenizer, name."""
+        model_path = self.model_path
+        if model_path is None or not (Path(model_path) / "config.json").is_file():
+            from common.model.default_model import resolve_model_path
+
+            model_path = resolve_model_path(model_path)
+        return dataclasses.replace(
+            self,
+            model_path=model_path,
+            tokenizer_path=self.tokenizer_path or model_path,
+            served_model_name=self.served_model_name or model_path,
+        )
+
+
+_HELP: dict[str, str] = {
+    "model_path": "HF checkpoint directory (default: the project's default real model)",
+    "served_model_name": "model name reported to clients (default: the model path)",
+    "tokenizer_path": "tokenizer directory (default: the model path)",
+    "context_length": "max prompt + output tokens (default: the model's)",
+    "dtype": "weight and KV dtype",
+    "device": "auto = cuda when available, else cpu",
+    "host": "HTTP bind address",
+    "port": "HTTP port",
+    "request_timeout": "seconds per request end to end at the frontend (default: off)",
+    "page_size": "tokens per KV page",
+    "chunked_prefill_size": "max prompt tokens per prefill chunk, page aligned (-1: off)",
+    "max_prefill_tokens": "max prompt tokens in one prefill batch",
+    "max_running_requests": "max requests in the running batch",
+    "max_total_tokens": "KV budget in tokens (default: from --mem-fraction-static on CUDA, --kv-cache-gb on CPU)",
+    "mem_fraction_static": "fraction of GPU memory for weights + KV (CUDA)",
+    "kv_cache_gb": "KV pool size in GiB on CPU",
+    "schedule_policy": "waiting queue order",
+    "schedule_conservativeness": "scales the initial new_token_ratio",
+    "disable_overlap_schedule": "run the scheduler and the forward in lock step",
+    "enable_mixed_chunk": "run a prefill chunk and decode steps in one batch",
+    "disable_radix_cache": "no prefix cache",
+    "attention_backend": "attention kernels",
+    "random_seed": "seed for sampling",
+    "disaggregation_mode": "null (colocated), prefill or decode",
+    "disaggregation_bootstrap_port": "prefill's bootstrap server port",
+    "disaggregation_transfer_backend": "KV transfer backend",
+    "num_reserved_decode_tokens": "decode tokens reserved per request when admitting a transfer",
+    "disaggregation_bootstrap_timeout": "seconds prefill waits for decode's destination pages",
+    "disaggregation_transfer_timeout": "seconds decode waits for a KV transfer",
+    "disaggregation_heartbeat_interval": "seconds between decode -> prefill heartbeats",
+    "disaggregation_heartbeat_timeout": "seconds without a heartbeat answer before a peer is dead",
+    "disaggregation_fault_spec": "test-only fault injection spec",
+    "log_level": "logging level of both processes",
+    "watchdog_timeout": "seconds a forward step may take before the engine is declared hung",
+    "engine_start_timeout": "seconds to wait for the engine to load the model and report ready",
+}
+
+
+def _flag(name: str) -> str:
+    return name.replace("_", "-")
+
+
+def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add one flag per ServerArgs field; defaults and choices come from the dataclass."""
+    choices: dict[str, tuple[str, ...]] = {
+        "schedule_policy": SCHEDULE_POLICIES,
+        "attention_backend": ATTENTION_BACKENDS,
+        "disaggregation_mode": DISAGGREGATION_MODES,
+        "disaggregation_transfer_backend": TRANSFER_BACKENDS,
+        "device": DEVICES,
+        "dtype": DTYPES,
+        "log_level": LOG_LEVELS,
+    }
+    for field in dataclasses.fields(ServerArgs):
+        default = field.default
+        kwargs: dict[str, Any] = {"default": default, "help": _HELP[field.name]}
+        if field.type == "bool":
+            kwargs["action"] = "store_true"
+        else:
+            kwargs["type"] = _parse_type(str(field.type))
+            if field.name in choices:
+                kwargs["choices"] = choices[field.name]
+        parser.add_argument(f"--{_flag(field.name)}", dest=field.name, **kwargs)
+    return parser
+
+
+def _parse_type(annotation: str) -> type:
+    base = annotation.replace(" | None", "")
+    return {"int": int, "float": float, "str": str}[base]
+
+
+def from_cli_args(ns: argparse.Namespace) -> ServerArgs:
+    return ServerArgs(**{f.name: getattr(ns, f.name) for f in dataclasses.fields(ServerArgs)})
+
+
+def parse_server_args(argv: list[str] | None = None, **defaults: Any) -> ServerArgs:
+    """Parse argv into ServerArgs; `defaults` override the dataclass defaults (e.g. a role)."""
+    parser = add_cli_args(argparse.ArgumentParser(description="pdserve instance"))
+    if defaults:
+        parser.set_defaults(**defaults)
+    return from_cli_args(parser.parse_args(argv))

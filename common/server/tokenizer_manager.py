@@ -1,0 +1,241 @@
+"""The frontend's request table and its link to the engine.
+
+TokenizerManager owns rid -> ReqState for every request between `start` and
+`release`, the FrontendChannel, and two background tasks:
+
+    _recv_loop:     engine replies -> the owning request's queue (TokenOut) or a
+                    stats waiter (StatsResp)
+    _watchdog_loop: engine process gone -> every in-flight request gets an
+                    error, new requests get 503, /health turns 503
+
+A request is released exactly once: when its stream ends, fails, times out, or
+its consumer goes away. Releasing a request the engine has not finished sends
+AbortReq, so a client disconnect or a stop-string match frees the engine's slot.
+Used from one event loop only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+
+from common.server.detokenizer import RequestDetokenizer
+from common.server.input_processor import InputProcessor
+from common.server.io_struct import AbortReq, BatchTokenOut, FinishReason, StatsReq, StatsResp, TokenOut
+from common.server.ipc import READY_SEQ, FrontendChannel, IpcSendTimeout
+from common.server.metrics import FrontendMetrics
+from common.server.protocol import ApiError, GenerateRequestBody, bad_request
+from common.server.req_state import Chunk, ReqState, merge_chunks
+from common.server.server_args import ServerArgs
+
+logger = logging.getLogger(__name__)
+
+WATCHDOG_PERIOD_S = 0.25
+SEND_TIMEOUT_S = 5.0
+
+DeadReason = Callable[[], "str | None"]  # None while the engine process lives
+
+
+class TokenizerManager:
+    def __init__(
+        self,
+        args: ServerArgs,
+        processor: InputProcessor,
+        channel: FrontendChannel,
+        metrics: FrontendMetrics,
+        engine_dead_reason: DeadReason,
+    ) -> None:
+        self.args = args
+        self.processor = processor
+        self.channel = channel
+        self.metrics = metrics
+        self._dead_reason_fn = engine_dead_reason
+        self.engine_dead: str | None = None
+        self._states: dict[str, ReqState] = {}
+        self._stats_waiters: dict[int, asyncio.Future[dict[str, float]]] = {}
+        self._seq = itertools.count(1)
+        self._tasks: list[asyncio.Task[None]] = []
+
+    # Lifecycle
+
+    def start_background(self) -> None:
+        self._tasks = [
+            asyncio.create_task(self._recv_loop(), name="engine-recv"),
+            asyncio.create_task(self._watchdog_loop(), name="engine-watchdog"),
+        ]
+
+    async def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self.channel.close()
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._states)
+
+    # Requests
+
+    async def start(self, body: GenerateRequestBody, rid: str) -> ReqState:
+        """Validate, register and send one request; ApiError(4xx/503) if it cannot start."""
+        self._check_engine()
+        if rid in self._states:
+            raise bad_request(f"a request with rid {rid!r} is already in flight")
+        req = self.processor.process(body, rid)
+        detok = None
+        if not self.args.is_prefill:
+            params = req.sampling_params
+            detok = RequestDetokenizer(
+                self.processor.tokenizer,
+                req.input_ids,
+                stops=params.stop,
+                skip_special_tokens=params.skip_special_tokens,
+            )
+        state = ReqState(req=req, detok=detok)
+        self._states[rid] = state
+        self.metrics.in_flight.inc()
+        try:
+            await self.channel.send(req, timeout_s=SEND_TIMEOUT_S)
+        except IpcSendTimeout as e:
+            state.engine_done = True
+            self.release(state)
+            raise ApiError(503, f"the engine is not taking requests: {e}") from None
+        self.metrics.prompt_tokens.inc(len(req.input_ids))
+        return state
+
+    async def stream(self, state: ReqState) -> AsyncIterator[Chunk]:
+        """The request's chunks until it finishes; raises ApiError on engine error or timeout."""
+        try:
+            while not state.finished:
+                item = await self._next_item(state)
+                if isinstance(item, ApiError):
+                    state.finished = True
+                    raise item
+                chunk = state.apply(item)
+                self._observe(state, chunk)
+                yield chunk
+        finally:
+            self.release(state)
+
+    async def collect(self, state: ReqState) -> Chunk:
+        return merge_chunks([chunk async for chunk in self.stream(state)])
+
+    def release(self, state: ReqState, reason: str = "client went away") -> None:
+        """Forget the request (idempotent); tell the engine to abort it if still running there."""
+        if state.released:
+            return
+        state.released = True
+        self._states.pop(state.rid, None)
+        self.metrics.in_flight.dec()
+        if not state.engine_done and self.engine_dead is None:
+            state.engine_done = True
+            if not self.channel.send_nowait(AbortReq(rid=state.rid, reason=reason)):
+                logger.warning("could not send AbortReq for %s: engine not taking messages", state.rid)
+
+    def abort(self, rid: str, message: str = "aborted by request") -> bool:
+        """Finish `rid` now with finish_reason abort; False if no such request is in flight."""
+        state = self._states.get(rid)
+        if state is None or state.finished:
+            return False
+        if not state.engine_done:
+            state.engine_done = True
+            self.channel.send_nowait(AbortReq(rid=rid, reason=message))
+        state.queue.put_nowait(
+            TokenOut(
+                rid=rid,
+                new_token_ids=[],
+                finish_reason=FinishReason(type="abort", message=message),
+                prompt_tokens=len(state.req.input_ids),
+                completion_tokens=state.completion_tokens,
+                cached_tokens=0,
+            )
+        )
+        return True
+
+    async def _next_item(self, state: ReqState) -> TokenOut | ApiError:
+        timeout = self.args.request_timeout
+        if timeout is None:
+            return await state.queue.get()
+        remaining = state.created_at + timeout - time.monotonic()
+        try:
+            return await asyncio.wait_for(state.queue.get(), max(remaining, 0.0))
+        except asyncio.TimeoutError:
+            state.finished = True
+            raise ApiError(504, f"request {state.rid} timed out after {timeout}s", "timeout") from None
+
+    def _observe(self, state: ReqState, chunk: Chunk) -> None:
+        now = time.monotonic()
+        n = len(chunk.output_ids)
+        if n:
+            if state.last_token_at is None:
+                state.first_token_latency = now - state.created_at
+                self.metrics.ttft.observe(state.first_token_latency)
+            else:
+                gap = (now - state.last_token_at) / n
+                for _ in range(n):
+                    self.metrics.itl.observe(gap)
+            state.last_token_at = now
+            self.metrics.generation_tokens.inc(n)
+        if chunk.finish_reason is not None:
+            self.metrics.e2e.observe(now - state.created_at)
+            self.metrics.finish_reasons.labels(reason=chunk.finish_reason["type"]).inc()
+
+    # Engine health and stats
+
+    def _check_engine(self) -> None:
+        if self.engine_dead is not None:
+            raise ApiError(503, f"the engine is not running: {self.engine_dead}")
+
+    async def get_stats(self, timeout_s: float = 2.0) -> dict[str, float]:
+        """Ask the engine for its stats; ApiError(503) if it does not answer within timeout_s."""
+        self._check_engine()
+        seq = next(self._seq)
+        fut: asyncio.Future[dict[str, float]] = asyncio.get_running_loop().create_future()
+        self._stats_waiters[seq] = fut
+        try:
+            if not self.channel.send_nowait(StatsReq(seq=seq)):
+                raise ApiError(503, "the engine is not taking messages")
+            stats = await asyncio.wait_for(fut, timeout_s)
+        except asyncio.TimeoutError:
+            self.metrics.engine.up = False
+            raise ApiError(503, f"the engine did not answer a stats probe within {timeout_s}s") from None
+        finally:
+            self._stats_waiters.pop(seq, None)
+        self.metrics.engine.up = True
+        self.metrics.engine.stats = stats
+        return stats
+
+    async def _recv_loop(self) -> None:
+        while True:
+            reply = await self.channel.recv()
+            if isinstance(reply, BatchTokenOut):
+                for out in reply.items:
+                    state = self._states.get(out.rid)
+                    if state is not None and not state.finished:
+                        state.queue.put_nowait(out)
+            elif isinstance(reply, StatsResp) and reply.seq != READY_SEQ:
+                fut = self._stats_waiters.get(reply.seq)
+                if fut is not None and not fut.done():
+                    fut.set_result(reply.stats)
+
+    async def _watchdog_loop(self) -> None:
+        while self.engine_dead is None:
+            reason = self._dead_reason_fn()
+            if reason is not None:
+                self._on_engine_dead(reason)
+                return
+            await asyncio.sleep(WATCHDOG_PERIOD_S)
+
+    def _on_engine_dead(self, reason: str) -> None:
+        logger.error("engine process died (%s); failing %d in-flight request(s)", reason, len(self._states))
+        self.engine_dead = reason
+        self.metrics.engine.up = False
+        for state in list(self._states.values()):
+            state.engine_done = True
+            state.queue.put_nowait(ApiError(500, f"the engine process died: {reason}", "engine_died"))
+        for fut in self._stats_waiters.values():
+            if not fut.done():
+                fut.set_exception(ApiError(503, f"the engine is not running: {reason}"))
