@@ -36,7 +36,7 @@ logger = logging.getLogger(__name__)
 
 DRAIN_LIMIT_BYTES = 64 * 1024 * 1024  # past this an oversized body is not even read to the end
 DISCONNECT_POLL_S = 0.1
-HEALTH_TIMEOUT_S = 2.0
+HEALTH_TIMEOUT_S = 5.0  # the engine answers between steps; a long CPU prefill step is slow
 METRICS_STATS_TIMEOUT_S = 1.0
 CLIENT_CLOSED_STATUS = 499
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}

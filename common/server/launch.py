@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+import socket
 import sys
 import time
 from collections.abc import Callable
@@ -70,6 +71,7 @@ def launch_server(
     except Exception as e:
         logger.error("cannot resolve the model path %r: %s", server_args.model_path, e)
         raise LaunchError(f"cannot resolve the model path {server_args.model_path!r}: {e}") from e
+    _check_port_free(args.host, args.port)
     addrs = EngineIpcAddrs.new()
     engine = EngineHandle(args, addrs, engine_main or _default_engine_main())
     previous = signal.signal(signal.SIGTERM, _sigterm_as_interrupt)
@@ -82,6 +84,17 @@ def launch_server(
         engine.stop()
         addrs.remove_files()
         signal.signal(signal.SIGTERM, previous)
+
+
+def _check_port_free(host: str, port: int) -> None:
+    """Fail before the engine spends minutes loading a model for a port we cannot serve on."""
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError as e:
+            logger.error("cannot serve on %s:%d: %s", host, port, e)
+            raise LaunchError(f"cannot serve on {host}:{port}: {e}") from e
 
 
 async def wait_for_engine_ready(

@@ -22,8 +22,10 @@ _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0
 _BAD_CHARS = re.compile(r"[^a-zA-Z0-9_]")
 
 
-def engine_metric_name(key: str) -> str:
-    return "pdserve_" + _BAD_CHARS.sub("_", key)
+def engine_metric_name(key: str, reserved: frozenset[str] = frozenset()) -> str:
+    """`pdserve_<key>`, or `pdserve_engine_<key>` where that would clash with a frontend metric."""
+    name = "pdserve_" + _BAD_CHARS.sub("_", key)
+    return "pdserve_engine_" + name.removeprefix("pdserve_") if name in reserved else name
 
 
 class EngineStatsCollector(Collector):
@@ -32,13 +34,14 @@ class EngineStatsCollector(Collector):
     def __init__(self) -> None:
         self.stats: dict[str, float] = {}
         self.up = False
+        self.reserved: frozenset[str] = frozenset()  # sample names the frontend's own metrics use
 
     def collect(self) -> Iterator[Metric]:
         yield GaugeMetricFamily(
             "pdserve_engine_up", "1 when the engine answered the last stats probe", self.up
         )
         for key, value in sorted(self.stats.items()):
-            yield GaugeMetricFamily(engine_metric_name(key), f"engine stat {key}", value)
+            yield GaugeMetricFamily(engine_metric_name(key, self.reserved), f"engine stat {key}", value)
 
 
 class FrontendMetrics:
@@ -74,6 +77,9 @@ class FrontendMetrics:
             registry=r,
         )
         self.engine = EngineStatsCollector()
+        self.engine.reserved = frozenset(
+            name for metric in r.collect() for name in (metric.name, *(s.name for s in metric.samples))
+        )
         r.register(self.engine)
 
     def render(self) -> bytes:

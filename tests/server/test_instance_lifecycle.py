@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import socket
 import time
 from typing import Any
 
@@ -86,3 +87,14 @@ def test_prefill_role_answers_meta_only_and_engine_dies_with_its_frontend(
     server.proc.send_signal(signal.SIGKILL)
     server.proc.wait(5)
     assert wait_until(lambda: not pid_alive(engine_pid), timeout_s=5.0), "engine outlived its frontend"
+
+
+def test_port_in_use_fails_before_the_engine_starts(start_server: Any) -> None:
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        server = start_server("--port", str(port), "--log-level", "info", healthy=False)
+        assert server.proc.wait(30) == 1
+    assert f"cannot serve on 127.0.0.1:{port}" in server.log()
+    assert "engine process started" not in server.log()
