@@ -35,18 +35,19 @@ def configure_logging(level: str) -> None:
     logging.basicConfig(level=level.upper(), format=LOG_FORMAT)
 
 
-def _exit_when_orphaned(parent_pid: int) -> None:
+def _exit_when_orphaned(parent_pid: int, addrs: EngineIpcAddrs) -> None:
     while True:
         time.sleep(PARENT_POLL_S)
         if os.getppid() != parent_pid:
             logger.error("frontend process %d is gone; engine exits", parent_pid)
+            addrs.remove_files()  # the frontend could not
             os._exit(1)
 
 
 def _engine_entry(engine_main: EngineMain, args: ServerArgs, addrs: EngineIpcAddrs, parent_pid: int) -> None:
     configure_logging(args.log_level)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    threading.Thread(target=_exit_when_orphaned, args=(parent_pid,), name="orphan-watch", daemon=True).start()
+    threading.Thread(target=_exit_when_orphaned, args=(parent_pid, addrs), name="orphan-watch", daemon=True).start()
     try:
         engine_main(args, addrs)
     except Exception:

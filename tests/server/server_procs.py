@@ -99,6 +99,7 @@ class ServerProcess:
                 self.proc.kill()
                 self.proc.wait(timeout_s)
         self._log.close()
+        Path(self._log.name).unlink(missing_ok=True)
         return self.proc.returncode
 
 
