@@ -47,7 +47,9 @@ def _exit_when_orphaned(parent_pid: int, addrs: EngineIpcAddrs) -> None:
 def _engine_entry(engine_main: EngineMain, args: ServerArgs, addrs: EngineIpcAddrs, parent_pid: int) -> None:
     configure_logging(args.log_level)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    threading.Thread(target=_exit_when_orphaned, args=(parent_pid, addrs), name="orphan-watch", daemon=True).start()
+    threading.Thread(
+        target=_exit_when_orphaned, args=(parent_pid, addrs), name="orphan-watch", daemon=True
+    ).start()
     try:
         engine_main(args, addrs)
     except Exception:
