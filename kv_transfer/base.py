@@ -1,0 +1,154 @@
+"""The KV transfer contract: poll states, failure causes, configuration, manager arguments.
+
+Who owns what:
+- The scheduler (prefill or decode) owns the KV pool pages and the aux slots; it lends
+  their ids to a KVSender / KVReceiver and takes them back when poll() is terminal
+  (decode: only when `receiver.pages_releasable()`).
+- The KVManager owns the NIXL agent, the registrations of the KV and aux buffers, the
+  control socket and the one background thread that does all I/O.
+"""
+
+from __future__ import annotations
+
+import enum
+import threading
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Literal
+
+if TYPE_CHECKING:
+    import torch
+
+    from common.cache.kv_pool import KVLayout
+    from kv_transfer.aux_buffer import AuxBuffer
+
+
+class KVPoll(enum.IntEnum):
+    """Ordered so that min() over ranks gives the most pessimistic state. Failed is terminal."""
+
+    Failed = 0
+    Bootstrapping = 1
+    WaitingForInput = 2
+    Transferring = 3
+    Success = 4
+
+
+def min_poll(states: Iterable[KVPoll]) -> KVPoll:
+    """MIN-reduction across ranks (TP=1 today: one state in, the same out)."""
+    return min(states)
+
+
+class FailureCause(str, enum.Enum):
+    """Label of the failures metric; a reason string always goes with it."""
+
+    BOOTSTRAP_TIMEOUT = "bootstrap_timeout"
+    HANDSHAKE = "handshake"
+    LAYOUT_MISMATCH = "layout_mismatch"
+    TRANSFER_TIMEOUT = "transfer_timeout"
+    TRANSFER_ERROR = "transfer_error"
+    PEER_LOST = "peer_lost"
+    ABORTED = "aborted"
+    DUPLICATE_ROOM = "duplicate_room"
+    BAD_REQUEST = "bad_request"
+    CORRUPTION = "corruption"
+    SHUTDOWN = "shutdown"
+
+
+class KVTransferError(RuntimeError):
+    """A misuse of the API by its caller (raised at once, in the caller's thread)."""
+
+
+@dataclass(frozen=True)
+class TransferConfig:
+    """Every timeout and knob of kv_transfer, in one place. Defaults:
+
+    - bootstrap_timeout_s = 300: prefill fails a sender whose decode never sent page ids.
+    - handshake_timeout_s = 10: decode fails the rooms of a prefill that does not answer
+      its registration.
+    - transfer_timeout_s = 300: decode fails a receiver that got no status message this
+      long after init().
+    - heartbeat_interval_s = 1, heartbeat_timeout_s = 5: decode pings every prefill it
+      uses; silence for the timeout fails all that prefill's rooms. Prefill likewise fails
+      the rooms of a decode it has not heard from for the timeout.
+    - drain_timeout_s = 30: decode holds an aborted/failed receiver's pages until prefill
+      confirms its writes drained, or this long.
+    - settle_timeout_s = 5: prefill waits this long for the sibling handles of a failed
+      transfer before reporting the failure anyway.
+    - idle_poll_s = 0.05, busy_poll_s = 0.001: the background thread's poller timeout
+      when nothing / something is in flight (ZMQ polls in whole ms).
+    - shutdown_timeout_s = 5: bound on KVManager.shutdown().
+    - send_hwm = 10000: ZMQ high-water mark; sends past it are dropped, never blocked.
+    - faults = "": fault-injection spec (see kv_transfer.faults.FaultSpec), tests only.
+    """
+
+    bootstrap_timeout_s: float = 300.0
+    handshake_timeout_s: float = 10.0
+    transfer_timeout_s: float = 300.0
+    heartbeat_interval_s: float = 1.0
+    heartbeat_timeout_s: float = 5.0
+    drain_timeout_s: float = 30.0
+    settle_timeout_s: float = 5.0
+    idle_poll_s: float = 0.05
+    busy_poll_s: float = 0.001
+    shutdown_timeout_s: float = 5.0
+    send_hwm: int = 10000
+    faults: str = ""
+
+    def __post_init__(self) -> None:
+        for name, value in self.__dict__.items():
+            if name.endswith("_s") and not value > 0:
+                raise ValueError(f"TransferConfig.{name} must be > 0, got {value}")
+        if self.heartbeat_timeout_s <= self.heartbeat_interval_s:
+            raise ValueError("TransferConfig.heartbeat_timeout_s must exceed heartbeat_interval_s")
+
+
+@dataclass
+class KVManagerArgs:
+    """What one engine hands its KVManager. The tensors stay owned by the engine's pool;
+    the manager only registers them (once) and reads/writes them through NIXL."""
+
+    role: Literal["prefill", "decode"]
+    layout: KVLayout
+    k_buffers: list[torch.Tensor]
+    v_buffers: list[torch.Tensor]
+    aux_buffer: AuxBuffer
+    bootstrap_host: str = "127.0.0.1"
+    bootstrap_port: int = 0  # prefill: 0 picks a free port (see KVManager.bootstrap_port)
+    rank: int = 0
+    config: TransferConfig = field(default_factory=TransferConfig)
+    registry: object | None = None  # prometheus_client.CollectorRegistry; None = a private one
+
+
+class StateCell:
+    """A poll state shared by the scheduler thread and the manager thread.
+
+    Failed is terminal; otherwise a state only moves forward (max of old and new)."""
+
+    __slots__ = ("_lock", "_state", "reason", "cause")
+
+    def __init__(self, state: KVPoll = KVPoll.Bootstrapping) -> None:
+        self._lock = threading.Lock()
+        self._state = state
+        self.reason: str | None = None
+        self.cause: FailureCause | None = None
+
+    @property
+    def state(self) -> KVPoll:
+        return self._state
+
+    def advance(self, new: KVPoll) -> bool:
+        with self._lock:
+            if self._state == KVPoll.Failed or new <= self._state:
+                return False
+            self._state = new
+            return True
+
+    def fail(self, cause: FailureCause, reason: str) -> bool:
+        """True when this call moved the state to Failed (first failure wins)."""
+        with self._lock:
+            if self._state in (KVPoll.Failed, KVPoll.Success):
+                return False
+            self._state = KVPoll.Failed
+            self.cause = cause
+            self.reason = reason
+            return True

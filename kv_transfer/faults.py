@@ -1,0 +1,88 @@
+"""Fault injection for the NIXL path (tests and the reliability suite).
+
+Spec string, comma separated `key=value` (all optional):
+
+    fail_post=P        each post raises with probability P
+    fail_post_nth=N    the N-th post (1-based, counted per manager) raises
+    fail_poll=P        each check of a posted transfer raises with probability P
+    drop_status=P      each Status message prefill sends is dropped with probability P
+    drop_status_nth=N  the N-th Status message is dropped
+    delay_ms=D         every post sleeps D ms first (in the manager thread)
+    seed=S             RNG seed (default 0)
+
+Example: "fail_post=0.1,fail_poll=0.05,drop_status=0.1,delay_ms=50,seed=1".
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import dataclass, fields
+
+
+class InjectedFault(RuntimeError):
+    pass
+
+
+@dataclass(frozen=True)
+class FaultSpec:
+    fail_post: float = 0.0
+    fail_post_nth: int = 0
+    fail_poll: float = 0.0
+    drop_status: float = 0.0
+    drop_status_nth: int = 0
+    delay_ms: float = 0.0
+    seed: int = 0
+
+    @classmethod
+    def parse(cls, spec: str) -> FaultSpec:
+        known = {f.name: f.type for f in fields(cls)}
+        values: dict[str, float | int] = {}
+        for item in filter(None, (part.strip() for part in spec.split(","))):
+            key, sep, raw = item.partition("=")
+            key = key.strip()
+            if not sep or key not in known:
+                raise ValueError(f"bad fault spec item {item!r}; known keys: {sorted(known)}")
+            try:
+                values[key] = int(raw) if known[key] in (int, "int") else float(raw)
+            except ValueError:
+                raise ValueError(f"bad value in fault spec item {item!r}") from None
+        return cls(**values)  # type: ignore[arg-type]
+
+    @property
+    def active(self) -> bool:
+        return self != FaultSpec(seed=self.seed)
+
+
+class FaultInjector:
+    """Called by the NIXL endpoint and the prefill side at each injection point."""
+
+    def __init__(self, spec: FaultSpec) -> None:
+        self.spec = spec
+        self._rng = random.Random(spec.seed)
+        self._posts = 0
+        self._statuses = 0
+        self.injected: dict[str, int] = {}
+
+    def _hit(self, what: str) -> None:
+        self.injected[what] = self.injected.get(what, 0) + 1
+
+    def before_post(self) -> None:
+        self._posts += 1
+        if self.spec.delay_ms > 0:
+            time.sleep(self.spec.delay_ms / 1000.0)
+        if self._posts == self.spec.fail_post_nth or self._rng.random() < self.spec.fail_post:
+            self._hit("fail_post")
+            raise InjectedFault(f"injected post failure (post #{self._posts})")
+
+    def at_poll(self) -> None:
+        if self.spec.fail_poll > 0 and self._rng.random() < self.spec.fail_poll:
+            self._hit("fail_poll")
+            raise InjectedFault("injected poll failure")
+
+    def drop_status(self) -> bool:
+        self._statuses += 1
+        if self._statuses == self.spec.drop_status_nth or self._rng.random() < self.spec.drop_status:
+            self._hit("drop_status")
+            return True
+        return False

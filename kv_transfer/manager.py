@@ -1,0 +1,214 @@
+"""KVManager: one per engine. Owns the NIXL agent, the buffer registrations, the control
+socket(s) and the background thread that does all socket I/O, NIXL posting and progress.
+
+    scheduler thread                         manager thread (daemon, one per manager)
+    create_sender/receiver, send, init,  -->  command queue + wake pipe
+    abort (all return at once)                zmq poller (idle_poll_s / busy_poll_s timeout)
+    poll() reads StateCell   <-------------   PrefillSide | DecodeSide advance the cells
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import queue
+import threading
+import time
+from typing import Any
+
+import zmq
+
+from kv_transfer.base import FailureCause, KVManagerArgs, KVTransferError, StateCell
+from kv_transfer.decode_side import DecodeSide
+from kv_transfer.faults import FaultInjector, FaultSpec
+from kv_transfer.handles import KVReceiver, KVSender
+from kv_transfer.messages import PROTOCOL_VERSION, PrefillInfo, Register
+from kv_transfer.metrics import TransferMetrics
+from kv_transfer.nixl_endpoint import NixlEndpoint
+from kv_transfer.prefill_side import PrefillSide
+from kv_transfer.side import Side, layout_to_wire, log
+
+
+class _Create:
+    def __init__(self, handle: KVSender | KVReceiver) -> None:
+        self.handle = handle
+
+
+class KVManager:
+    def __init__(self, args: KVManagerArgs) -> None:
+        layout = args.layout
+        if len(args.k_buffers) != layout.num_layers or len(args.v_buffers) != layout.num_layers:
+            raise ValueError(f"need {layout.num_layers} K and V buffers")
+        want = layout.num_pages * layout.page_bytes
+        for t in (*args.k_buffers, *args.v_buffers):
+            if t.numel() * t.element_size() != want or not t.is_contiguous():
+                raise ValueError(f"each KV buffer must be contiguous and {want} bytes (layout {layout})")
+        self.args = args
+        self.role = args.role
+        self.cfg = args.config
+        self.layout = layout
+        self.faults = FaultInjector(FaultSpec.parse(self.cfg.faults))
+        self.metrics = TransferMetrics(args.role, args.registry)  # type: ignore[arg-type]
+        kv = [*args.k_buffers, *args.v_buffers]
+        self.endpoint = NixlEndpoint(args.role, kv, args.aux_buffer.tensor, self.faults)
+        self.agent_name = self.endpoint.name
+        self._ctx = zmq.Context()
+        self._poller = zmq.Poller()
+        self._cmds: queue.SimpleQueue[object] = queue.SimpleQueue()
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
+        self._poller.register(self._wake_r, zmq.POLLIN)
+        self._stop = threading.Event()
+        self._closed = False
+        common: dict[str, Any] = dict(
+            cfg=self.cfg, endpoint=self.endpoint, metrics=self.metrics, fail=self._fail, poller=self._poller, ctx=self._ctx
+        )
+        self.side: Side
+        if args.role == "prefill":
+            router = self._ctx.socket(zmq.ROUTER)
+            router.setsockopt(zmq.LINGER, 0)
+            router.setsockopt(zmq.SNDHWM, self.cfg.send_hwm)
+            router.setsockopt(zmq.ROUTER_HANDOVER, 1)
+            host = args.bootstrap_host
+            if args.bootstrap_port == 0:
+                self.bootstrap_port = router.bind_to_random_port(f"tcp://{host}")
+            else:
+                router.bind(f"tcp://{host}:{args.bootstrap_port}")
+                self.bootstrap_port = args.bootstrap_port
+            self._poller.register(router, zmq.POLLIN)
+            info = PrefillInfo(
+                PROTOCOL_VERSION, self.agent_name, host, self.bootstrap_port, layout_to_wire(layout), args.aux_buffer.row_bytes, args.rank
+            )
+            kv_bases = [t.data_ptr() for t in kv]
+            self.side = PrefillSide(
+                layout=layout, kv_bases=kv_bases, aux=args.aux_buffer, info=info, faults=self.faults, sock=router, **common
+            )
+        elif args.role == "decode":
+            self.bootstrap_port = 0
+            reg = Register(
+                PROTOCOL_VERSION,
+                self.agent_name,
+                self.endpoint.metadata(),
+                layout_to_wire(layout),
+                [t.data_ptr() for t in args.k_buffers],
+                [t.data_ptr() for t in args.v_buffers],
+                self.endpoint.kv_mem_type,
+                self.endpoint.kv_device,
+                args.aux_buffer.tensor.data_ptr(),
+                args.aux_buffer.row_bytes,
+                args.aux_buffer.num_slots,
+            )
+            self.side = DecodeSide(layout=layout, aux=args.aux_buffer, register=reg, **common)
+        else:
+            raise ValueError(f"role must be 'prefill' or 'decode', got {args.role!r}")
+        self._thread = threading.Thread(target=self._run, name=f"kv-transfer-{args.role}", daemon=True)
+        self._thread.start()
+        log.info("%s KVManager %s up (bootstrap port %d)", args.role, self.agent_name, self.bootstrap_port)
+
+    # ---- scheduler-facing API (never blocks) ---------------------------------------------
+    def create_sender(self, rid: str, room: int) -> KVSender:
+        self._require("prefill")
+        sender = KVSender(rid, room, self._submit, self._fail)
+        self._submit(_Create(sender))
+        return sender
+
+    def create_receiver(self, rid: str, room: int, bootstrap_host: str, bootstrap_port: int) -> KVReceiver:
+        self._require("decode")
+        receiver = KVReceiver(
+            rid, room, bootstrap_host, bootstrap_port, self.args.aux_buffer, self.layout.num_pages, self._submit, self._fail
+        )
+        self._submit(_Create(receiver))
+        return receiver
+
+    def stats(self) -> dict[str, Any]:
+        out = self.metrics.stats()
+        out["injected_faults"] = dict(self.faults.injected)
+        return out
+
+    def check_integrity(self) -> None:
+        """Manager-internal bookkeeping (prefill aux rows, decode room tables) is consistent.
+        Only meaningful from the manager thread's point of view; safe to call when idle."""
+        self.side.check_integrity()
+
+    def shutdown(self) -> None:
+        """Fail everything still live, stop the thread (bounded), release NIXL and sockets."""
+        if self._closed:
+            return
+        self._closed = True
+        self._stop.set()
+        self._wake()
+        self._thread.join(self.cfg.shutdown_timeout_s)
+        if self._thread.is_alive():
+            log.error("kv_transfer thread did not stop within %.1fs", self.cfg.shutdown_timeout_s)
+            return
+        self.endpoint.close()
+        self._ctx.term()
+        for fd in (self._wake_r, self._wake_w):
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
+    def __enter__(self) -> KVManager:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+    # ---- internals ----------------------------------------------------------------------
+    def _require(self, role: str) -> None:
+        if self.role != role:
+            raise KVTransferError(f"this is a {self.role} KVManager")
+        if self._closed:
+            raise KVTransferError("KVManager is shut down")
+
+    def _fail(self, cell: StateCell, cause: FailureCause, reason: str) -> bool:
+        if cell.fail(cause, reason):
+            self.metrics.failed(cause)
+            log.info("kv transfer failed (%s): %s", cause.value, reason)
+            return True
+        return False
+
+    def _submit(self, cmd: object) -> None:
+        if not self._thread.is_alive() and isinstance(cmd, _Create):
+            self._fail(cmd.handle.cell, FailureCause.SHUTDOWN, "kv_transfer thread is not running")
+            return
+        self._cmds.put(cmd)
+        self._wake()
+
+    def _wake(self) -> None:
+        with contextlib.suppress(BlockingIOError, OSError):
+            os.write(self._wake_w, b"x")
+
+    def _run(self) -> None:
+        busy = False
+        try:
+            while not self._stop.is_set():
+                timeout = self.cfg.busy_poll_s if busy else self.cfg.idle_poll_s
+                events = dict(self._poller.poll(max(1, int(timeout * 1000.0))))
+                if self._wake_r in events:
+                    with contextlib.suppress(BlockingIOError):
+                        os.read(self._wake_r, 4096)
+                self._drain_commands()
+                for sock in events:
+                    if isinstance(sock, zmq.Socket):
+                        self.side.on_readable(sock)
+                busy = self.side.tick(time.monotonic())
+        except Exception:
+            log.exception("kv_transfer thread crashed")
+            raise
+        finally:
+            self._drain_commands()
+            self.side.shutdown()
+            if self.side.sock is not None:
+                self.side.sock.close(linger=0)
+
+    def _drain_commands(self) -> None:
+        while True:
+            try:
+                cmd = self._cmds.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(cmd, _Create):
+                self.side.create(cmd.handle)
+            else:
+                self.side.command(cmd)

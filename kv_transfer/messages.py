@@ -1,0 +1,112 @@
+"""Control messages between a decode KVManager and a prefill KVManager (ZMQ, msgpack).
+
+    decode DEALER (one per prefill peer)            prefill ROUTER (bootstrap_port)
+      Register{agent md, buffer bases, layout} --->  add_remote_agent, check layout
+                 <--- RegisterAck{PrefillInfo} | RegisterRefused{reason}
+      TransferRequest{room, dst pages, aux slot} ->  sender becomes WaitingForInput
+      Abort{room, reason} ------------------------>  stop posting, drain
+                 <--- Status{room, ok, reason}       after every WRITE of the room is
+                                                     DONE (ok) or drained (failed/abort)
+      Ping{seq} ---------------------------------->
+                 <--- Pong{seq}
+      InfoQuery (bootstrap probe, any client) ---->
+                 <--- RegisterAck{PrefillInfo}
+
+Decode treats any Status of a room as "prefill holds no more writes for it".
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+PROTOCOL_VERSION = 1
+
+
+class WireLayout(msgspec.Struct, frozen=True, array_like=True):
+    num_layers: int
+    num_pages: int
+    page_size: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str
+
+
+class PrefillInfo(msgspec.Struct, frozen=True, array_like=True):
+    """What the bootstrap service publishes: endpoint, agent, layout."""
+
+    protocol_version: int
+    agent_name: str
+    host: str
+    port: int
+    layout: WireLayout
+    aux_row_bytes: int
+    rank: int = 0
+
+
+class Register(msgspec.Struct, frozen=True, array_like=True, tag="reg"):
+    protocol_version: int
+    agent_name: str
+    agent_metadata: bytes
+    layout: WireLayout
+    k_bases: list[int]
+    v_bases: list[int]
+    kv_mem_type: str  # "DRAM" | "VRAM"
+    kv_device: int
+    aux_base: int
+    aux_row_bytes: int
+    aux_slots: int
+
+
+class RegisterAck(msgspec.Struct, frozen=True, array_like=True, tag="ack"):
+    info: PrefillInfo
+
+
+class RegisterRefused(msgspec.Struct, frozen=True, array_like=True, tag="refused"):
+    reason: str
+    cause: str
+
+
+class InfoQuery(msgspec.Struct, frozen=True, array_like=True, tag="info"):
+    pass
+
+
+class TransferRequest(msgspec.Struct, frozen=True, array_like=True, tag="xfer"):
+    room: int
+    dst_pages: list[int]
+    aux_slot: int
+
+
+class Abort(msgspec.Struct, frozen=True, array_like=True, tag="abort"):
+    room: int
+    reason: str
+
+
+class Status(msgspec.Struct, frozen=True, array_like=True, tag="status"):
+    room: int
+    ok: bool
+    reason: str = ""
+    cause: str = ""
+    reregister: bool = False  # prefill dropped this decode's registration
+
+
+class Ping(msgspec.Struct, frozen=True, array_like=True, tag="ping"):
+    seq: int
+
+
+class Pong(msgspec.Struct, frozen=True, array_like=True, tag="pong"):
+    seq: int
+    agent_name: str  # a restarted prefill answers with a new name
+
+
+ControlMsg = Register | RegisterAck | RegisterRefused | InfoQuery | TransferRequest | Abort | Status | Ping | Pong
+
+_ENCODER = msgspec.msgpack.Encoder()
+_DECODER = msgspec.msgpack.Decoder(ControlMsg)
+
+
+def encode(msg: ControlMsg) -> bytes:
+    return _ENCODER.encode(msg)
+
+
+def decode(data: bytes) -> ControlMsg:
+    return _DECODER.decode(data)

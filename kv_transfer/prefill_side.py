@@ -1,0 +1,352 @@
+"""Prefill half of the manager thread: registrations, per-room WRITE pipeline, timeouts.
+
+Runs only in the KVManager's background thread. Per room:
+
+    create_sender ──> (TransferRequest from decode) ──> WaitingForInput
+    SendCmd* ──> post KV WRITEs (coalesced runs, every layer buffer, one handle per send)
+    last SendCmd ──> write our aux row, post its WRITE
+    all handles DONE ──> Status(ok) to decode ──> Success
+    any failure/abort ──> stop posting, let posted handles settle ──> Status(failed) (= drain ack)
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from common.cache.kv_pool import KVLayout
+from kv_transfer.aux_buffer import AuxBuffer, AuxRow, AuxSlotAllocator
+from kv_transfer.base import FailureCause, KVPoll, TransferConfig
+from kv_transfer.descriptors import build_descs, coalesce_pages
+from kv_transfer.faults import FaultInjector
+from kv_transfer.handles import AbortCmd, KVSender, SendCmd
+from kv_transfer.messages import (
+    Abort,
+    ControlMsg,
+    InfoQuery,
+    Ping,
+    Pong,
+    PrefillInfo,
+    Register,
+    RegisterAck,
+    RegisterRefused,
+    Status,
+    TransferRequest,
+)
+from kv_transfer.nixl_endpoint import NixlEndpoint, NixlError, PostedXfer
+from kv_transfer.side import Side, layout_from_wire
+
+
+@dataclass
+class _DecodePeer:
+    identity: bytes
+    reg: Register
+    nixl_name: str
+    last_seen: float
+
+
+@dataclass
+class _Room:
+    sender: KVSender
+    created: float
+    peer: _DecodePeer | None = None
+    dst_pages: np.ndarray | None = None
+    dst_aux: int = -1
+    next_dst: int = 0
+    pending: deque[SendCmd] = field(default_factory=deque)
+    outstanding: list[PostedXfer] = field(default_factory=list)
+    last_posted: bool = False
+    src_aux: int | None = None
+    first_post: float | None = None
+    nbytes: int = 0
+    failed_at: float | None = None
+
+
+class PrefillSide(Side):
+    def __init__(
+        self,
+        *,
+        cfg: TransferConfig,
+        layout: KVLayout,
+        endpoint: NixlEndpoint,
+        kv_bases: list[int],
+        aux: AuxBuffer,
+        info: PrefillInfo,
+        faults: FaultInjector,
+        **kw: object,
+    ) -> None:
+        super().__init__(cfg=cfg, endpoint=endpoint, **kw)  # type: ignore[arg-type]
+        self.layout = layout
+        self.kv_bases = kv_bases
+        self.aux = aux
+        self.aux_slots = AuxSlotAllocator(aux.num_slots)
+        self.info = info
+        self.faults = faults
+        self.rooms: dict[int, _Room] = {}
+        self.early: dict[int, tuple[TransferRequest, bytes, float]] = {}
+        self.tombstones: dict[int, tuple[FailureCause, str, float]] = {}
+        self.peers: dict[bytes, _DecodePeer] = {}
+
+    # ---- scheduler commands -------------------------------------------------------------
+    def create(self, sender: KVSender) -> None:
+        now = time.monotonic()
+        if sender.room in self.rooms:
+            self.fail(sender.cell, FailureCause.DUPLICATE_ROOM, f"room {sender.room} already has a live sender")
+            return
+        if sender.room in self.tombstones:
+            cause, reason, _ = self.tombstones.pop(sender.room)
+            self.fail(sender.cell, cause, reason)
+            return
+        room = _Room(sender, now)
+        self.rooms[sender.room] = room
+        if sender.room in self.early:
+            req, identity, _ = self.early.pop(sender.room)
+            self._attach(room, req, identity)
+
+    def command(self, cmd: object) -> None:
+        if isinstance(cmd, SendCmd):
+            room = self.rooms.get(cmd.sender.room)
+            if room is not None and room.sender is cmd.sender and room.failed_at is None:
+                room.pending.append(cmd)
+                self._pump(room)
+        elif isinstance(cmd, AbortCmd):
+            room = self.rooms.get(cmd.handle.room)
+            if room is not None and room.sender is cmd.handle:
+                self._room_failed(room, FailureCause.ABORTED, cmd.reason)
+
+    # ---- control messages ---------------------------------------------------------------
+    def on_message(self, identity: bytes, msg: ControlMsg) -> None:
+        now = time.monotonic()
+        peer = self.peers.get(identity)
+        if peer is not None:
+            peer.last_seen = now
+        if isinstance(msg, Register):
+            self._on_register(identity, msg, now)
+        elif isinstance(msg, InfoQuery):
+            self.reply(identity, RegisterAck(self.info))
+        elif isinstance(msg, Ping):
+            self.reply(identity, Pong(msg.seq, self.endpoint.name))
+        elif isinstance(msg, TransferRequest):
+            self._on_transfer_request(identity, msg, now)
+        elif isinstance(msg, Abort):
+            self._on_abort(identity, msg, now)
+
+    def _on_register(self, identity: bytes, msg: Register, now: float) -> None:
+        reason = None
+        cause = FailureCause.LAYOUT_MISMATCH
+        if msg.protocol_version != self.info.protocol_version:
+            reason = f"protocol version {msg.protocol_version} != {self.info.protocol_version}"
+        else:
+            reason = self.layout.compatible_with(layout_from_wire(msg.layout))
+        if reason is None and msg.aux_row_bytes != self.aux.row_bytes:
+            reason = f"aux row bytes {msg.aux_row_bytes} != {self.aux.row_bytes}"
+        if reason is None and len(msg.k_bases) != self.layout.num_layers:
+            reason = "decode sent the wrong number of layer buffers"
+        if reason is None:
+            for old in [p for p in self.peers.values() if p.reg.agent_name == msg.agent_name]:
+                self._drop_peer(old, FailureCause.PEER_LOST, "decode re-registered")
+            try:
+                name = self.endpoint.add_peer(msg.agent_metadata)
+            except NixlError as e:
+                reason, cause = str(e), FailureCause.HANDSHAKE
+            else:
+                self.peers[identity] = _DecodePeer(identity, msg, name, now)
+                self.reply(identity, RegisterAck(self.info))
+                return
+        self.log.warning("refused decode %s: %s", msg.agent_name, reason)
+        self.reply(identity, RegisterRefused(f"prefill refused registration: {reason}", cause.value))
+
+    def _on_transfer_request(self, identity: bytes, msg: TransferRequest, now: float) -> None:
+        peer = self.peers.get(identity)
+        if peer is None:
+            self.reply(identity, Status(msg.room, False, "decode not registered here", "handshake", reregister=True))
+            return
+        bad = None
+        if not msg.dst_pages or min(msg.dst_pages) < 0 or max(msg.dst_pages) >= peer.reg.layout.num_pages:
+            bad = "dst page ids out of the decode pool's range"
+        elif not 0 <= msg.aux_slot < peer.reg.aux_slots:
+            bad = f"dst aux slot {msg.aux_slot} out of range"
+        if bad is not None:
+            self.reply(identity, Status(msg.room, False, bad, FailureCause.BAD_REQUEST.value))
+            return
+        if msg.room in self.tombstones:
+            cause, reason, _ = self.tombstones[msg.room]
+            self.reply(identity, Status(msg.room, False, reason, cause.value))
+            return
+        room = self.rooms.get(msg.room)
+        if (room is not None and room.peer is not None) or (room is None and msg.room in self.early):
+            why = f"duplicate room {msg.room}: another decode already claimed it"
+            self.reply(identity, Status(msg.room, False, why, FailureCause.DUPLICATE_ROOM.value))
+            return
+        if room is None:
+            self.early[msg.room] = (msg, identity, now)
+        else:
+            self._attach(room, msg, identity)
+
+    def _on_abort(self, identity: bytes, msg: Abort, now: float) -> None:
+        room = self.rooms.get(msg.room)
+        if room is not None and (room.peer is None or room.peer.identity == identity):
+            self._room_failed(room, FailureCause.ABORTED, f"aborted by decode: {msg.reason}")
+            if room.peer is None:
+                self.reply(identity, Status(msg.room, False, "aborted by decode", FailureCause.ABORTED.value))
+            return
+        self.early.pop(msg.room, None)
+        if room is None:
+            self.tombstones[msg.room] = (FailureCause.ABORTED, f"aborted by decode: {msg.reason}", now)
+        self.reply(identity, Status(msg.room, False, "aborted by decode", FailureCause.ABORTED.value))
+
+    def _attach(self, room: _Room, req: TransferRequest, identity: bytes) -> None:
+        room.peer = self.peers.get(identity)
+        if room.peer is None:
+            self._room_failed(room, FailureCause.PEER_LOST, "decode peer vanished before the transfer")
+            return
+        room.dst_pages = np.asarray(req.dst_pages, dtype=np.int64)
+        room.dst_aux = req.aux_slot
+        room.sender.num_dst_pages = len(req.dst_pages)
+        room.sender.cell.advance(KVPoll.WaitingForInput)
+
+    # ---- the WRITE pipeline -------------------------------------------------------------
+    def _pump(self, room: _Room) -> None:
+        while room.pending and room.failed_at is None:
+            cmd = room.pending[0]
+            if cmd.is_last and room.src_aux is None:
+                room.src_aux = self.aux_slots.alloc()
+                if room.src_aux is None:
+                    return  # retried on the next tick
+            assert room.peer is not None and room.dst_pages is not None, "send before attach (bug)"
+            if cmd.pages.size and (cmd.pages.min() < 0 or cmd.pages.max() >= self.layout.num_pages):
+                self._room_failed(room, FailureCause.BAD_REQUEST, "src page id out of the prefill pool's range")
+                return
+            try:
+                self._post_kv(room, room.peer, room.dst_pages, cmd.pages)
+                if cmd.is_last:
+                    assert cmd.aux is not None, "last send without aux (bug)"
+                    self._post_aux(room, room.peer, cmd.aux)
+            except NixlError as e:
+                self._room_failed(room, FailureCause.TRANSFER_ERROR, str(e))
+                if not e.injected:
+                    self._drop_peer(room.peer, FailureCause.TRANSFER_ERROR, f"NIXL error towards decode: {e}")
+                return
+            room.pending.popleft()
+
+    def _post_kv(self, room: _Room, peer: _DecodePeer, dst_pages: np.ndarray, pages: np.ndarray) -> None:
+        if pages.size == 0:
+            return
+        dst = dst_pages[room.next_dst : room.next_dst + pages.size]
+        runs = coalesce_pages(pages, dst)
+        remote_bases = peer.reg.k_bases + peer.reg.v_bases
+        descs = build_descs(runs, self.layout.page_bytes, self.kv_bases, remote_bases, self.endpoint.kv_device, peer.reg.kv_device)
+        if room.first_post is None:
+            room.first_post = time.monotonic()
+        xfer = self.endpoint.post_write(descs.local, descs.remote, self.endpoint.kv_mem_type, peer.nixl_name, descs.nbytes)
+        room.outstanding.append(xfer)
+        room.next_dst += pages.size
+        room.nbytes += descs.nbytes
+        self.metrics.posted(descs.nbytes, xfer.ndescs)
+
+    def _post_aux(self, room: _Room, peer: _DecodePeer, aux: AuxRow) -> None:
+        assert room.src_aux is not None
+        self.aux.write_row(room.src_aux, AuxRow(aux.first_token, aux.cached_tokens, aux.logprob, room.sender.room))
+        rb = self.aux.row_bytes
+        local = np.array([[self.endpoint.aux_base + room.src_aux * rb, rb, 0]], dtype=np.uint64)
+        remote = np.array([[peer.reg.aux_base + room.dst_aux * rb, rb, 0]], dtype=np.uint64)
+        if room.first_post is None:
+            room.first_post = time.monotonic()
+        room.outstanding.append(self.endpoint.post_write(local, remote, "DRAM", peer.nixl_name, rb))
+        room.nbytes += rb
+        self.metrics.posted(rb, 1)
+        room.last_posted = True
+
+    def _room_failed(self, room: _Room, cause: FailureCause, reason: str) -> None:
+        self.fail(room.sender.cell, cause, reason)
+        if room.failed_at is None:
+            room.failed_at = time.monotonic()
+            room.pending.clear()
+
+    def _drop_peer(self, peer: _DecodePeer, cause: FailureCause, reason: str) -> None:
+        self.peers.pop(peer.identity, None)
+        self.endpoint.remove_peer(peer.nixl_name)
+        for room in self.rooms.values():
+            if room.peer is peer:
+                self._room_failed(room, cause, reason)
+
+    # ---- periodic work ------------------------------------------------------------------
+    def tick(self, now: float) -> bool:
+        for room in list(self.rooms.values()):
+            self._progress(room, now)
+        cfg = self.cfg
+        for peer in list(self.peers.values()):
+            if now - peer.last_seen > cfg.heartbeat_timeout_s:
+                self._drop_peer(peer, FailureCause.PEER_LOST, f"decode {peer.reg.agent_name} silent for {now - peer.last_seen:.1f}s")
+        for rid, (req, identity, t0) in list(self.early.items()):
+            if now - t0 > cfg.bootstrap_timeout_s:
+                del self.early[rid]
+                why = "prefill never received this request"
+                self.reply(identity, Status(req.room, False, why, FailureCause.BOOTSTRAP_TIMEOUT.value))
+        for rid, (_, _, t0) in list(self.tombstones.items()):
+            if now - t0 > cfg.bootstrap_timeout_s:
+                del self.tombstones[rid]
+        return any(r.outstanding or r.pending for r in self.rooms.values())
+
+    def _progress(self, room: _Room, now: float) -> None:
+        still = []
+        for xfer in room.outstanding:
+            try:
+                done = self.endpoint.is_done(xfer)
+            except NixlError as e:
+                self.endpoint.release(xfer)
+                self._room_failed(room, FailureCause.TRANSFER_ERROR, str(e))
+                if room.peer is not None and not e.injected:
+                    self._drop_peer(room.peer, FailureCause.TRANSFER_ERROR, f"NIXL error towards decode: {e}")
+                continue
+            if done:
+                self.endpoint.release(xfer)
+            else:
+                still.append(xfer)
+        room.outstanding = still
+        if room.failed_at is not None:
+            if room.outstanding and now - room.failed_at < self.cfg.settle_timeout_s:
+                return
+            for xfer in room.outstanding:
+                self.endpoint.release(xfer)
+            self._finish(room, ok=False)
+        elif room.last_posted and not room.outstanding:
+            self._finish(room, ok=True)
+        elif room.pending:
+            self._pump(room)
+        elif room.peer is None and now - room.created > self.cfg.bootstrap_timeout_s:
+            why = f"bootstrap timeout: decode sent no page ids within {self.cfg.bootstrap_timeout_s:.1f}s"
+            self._room_failed(room, FailureCause.BOOTSTRAP_TIMEOUT, why)
+
+    def _finish(self, room: _Room, *, ok: bool) -> None:
+        del self.rooms[room.sender.room]
+        if room.src_aux is not None:
+            self.aux_slots.free(room.src_aux)
+        cell = room.sender.cell
+        if ok:
+            status = Status(room.sender.room, True)
+        else:
+            status = Status(room.sender.room, False, cell.reason or "failed", (cell.cause or FailureCause.ABORTED).value)
+            if room.peer is None:
+                self.tombstones[room.sender.room] = (cell.cause or FailureCause.ABORTED, cell.reason or "failed", time.monotonic())
+        if room.peer is not None:
+            if not (ok and self.faults.drop_status()):
+                self.reply(room.peer.identity, status)
+        if ok and cell.advance(KVPoll.Success):
+            self.metrics.completed(room.nbytes, time.monotonic() - (room.first_post or room.created))
+
+    def shutdown(self) -> None:
+        for room in list(self.rooms.values()):
+            self._room_failed(room, FailureCause.SHUTDOWN, "prefill KVManager shut down")
+            for xfer in room.outstanding:
+                self.endpoint.release(xfer)
+            room.outstanding.clear()
+            self._finish(room, ok=False)
+
+    def check_integrity(self) -> None:
+        used = {r.src_aux for r in self.rooms.values() if r.src_aux is not None}
+        assert self.aux_slots.num_free + len(used) == self.aux.num_slots, "prefill aux slots leaked"
+        self.aux_slots.check_integrity()
