@@ -94,7 +94,7 @@ class Sampler:
         if info.rows_cpu and not 0 <= min(info.rows_cpu) <= max(info.rows_cpu) < self.max_rows:
             raise IndexError(f"sampler rows {info.rows_cpu} outside [0, {self.max_rows})")
         raw = logits.float()
-        logits = self._apply_penalties(raw, info) if info.has_penalties else raw
+        logits = self.apply_penalties(raw, info) if info.has_penalties else raw
         if info.is_all_greedy:
             next_ids = logits.argmax(dim=-1)
         else:
@@ -105,7 +105,8 @@ class Sampler:
             self._steps[row] += 1
         return self._logprobs(raw, next_ids, info)
 
-    def _apply_penalties(self, logits: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
+    def apply_penalties(self, logits: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
+        """The penalised logits of this batch (state is read, not updated)."""
         counts_all, prompt_all = self._ensure_penalty_state()
         counts = counts_all[info.rows]
         if info.has_repetition_penalty:

@@ -89,8 +89,8 @@ class TorchAttentionBackend(AttentionBackend):
             self._forward_decode(q, k_buf, v_buf, out, self._decode)
         for seq in self._extends:
             rows = slice(seq.start, seq.start + seq.length)
-            kk = k_buf.index_select(0, seq.kv_index).to(q.dtype).transpose(0, 1)  # [Hkv, S, D]
-            vv = v_buf.index_select(0, seq.kv_index).to(q.dtype).transpose(0, 1)
+            kk = _gather(k_buf, seq.kv_index, q.dtype).transpose(0, 1)  # [Hkv, S, D]
+            vv = _gather(v_buf, seq.kv_index, q.dtype).transpose(0, 1)
             o = F.scaled_dot_product_attention(
                 q[rows].transpose(0, 1),  # [H, e, D]
                 kk,
@@ -109,8 +109,8 @@ class TorchAttentionBackend(AttentionBackend):
         n, length = g.kv_index.shape
         hkv, d = self.shape.num_kv_heads, self.shape.head_dim
         flat = g.kv_index.reshape(-1)
-        kk = k_buf.index_select(0, flat).to(q.dtype).view(n, length, hkv, d).transpose(1, 2)  # [n, Hkv, L, D]
-        vv = v_buf.index_select(0, flat).to(q.dtype).view(n, length, hkv, d).transpose(1, 2)
+        kk = _gather(k_buf, flat, q.dtype).view(n, length, hkv, d).transpose(1, 2)  # [n, Hkv, L, D]
+        vv = _gather(v_buf, flat, q.dtype).view(n, length, hkv, d).transpose(1, 2)
         qq = q if g.token_index is None else q.index_select(0, g.token_index)
         qq = qq.view(n, hkv, self.shape.group_size, d)  # GQA group folded into the query axis
         o = F.scaled_dot_product_attention(qq, kk, vv, attn_mask=g.mask, scale=self.shape.scaling)
@@ -119,3 +119,10 @@ class TorchAttentionBackend(AttentionBackend):
             out.copy_(o)
         else:
             out.index_copy_(0, g.token_index, o)
+
+
+def _gather(buf: torch.Tensor, slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """buf[slots] as [n, Hkv, D] in `dtype`. NOTE: index_select on the 2-D [slots, Hkv*D] view is
+    far faster on CPU than on the 3-D buffer (a per-element path, very slow for bf16)."""
+    rows = buf.view(buf.shape[0], -1).index_select(0, slots)
+    return rows.view(-1, *buf.shape[1:]).to(dtype)
