@@ -92,7 +92,7 @@ class DecodeSide(Side):
         self.peers.pop(peer.key, None)
         self.poller.unregister(peer.sock)
         peer.sock.close(linger=0)
-        for rec in peer.recvs.values():
+        for rec in list(peer.recvs.values()):
             self._fail(peer, rec, cause, reason, now, notify=False)
         peer.recvs.clear()
 

@@ -64,6 +64,12 @@ class FaultInjector:
         self._statuses = 0
         self.injected: dict[str, int] = {}
 
+    def reconfigure(self, spec: FaultSpec) -> None:
+        """Swap the spec at run time (tests, reliability suite); counters restart."""
+        self.spec = spec
+        self._rng = random.Random(spec.seed)
+        self._posts = self._statuses = 0
+
     def _hit(self, what: str) -> None:
         self.injected[what] = self.injected.get(what, 0) + 1
 

@@ -126,6 +126,10 @@ class KVManager:
         out["injected_faults"] = dict(self.faults.injected)
         return out
 
+    def set_faults(self, spec: str) -> None:
+        """Replace the fault-injection spec (see kv_transfer.faults); "" turns faults off."""
+        self.faults.reconfigure(FaultSpec.parse(spec))
+
     def check_integrity(self) -> None:
         """Manager-internal bookkeeping (prefill aux rows, decode room tables) is consistent.
         Only meaningful from the manager thread's point of view; safe to call when idle."""

@@ -110,8 +110,7 @@ class PrefillSide(Side):
         if isinstance(cmd, SendCmd):
             room = self.rooms.get(cmd.sender.room)
             if room is not None and room.sender is cmd.sender and room.failed_at is None:
-                room.pending.append(cmd)
-                self._pump(room)
+                room.pending.append(cmd)  # posted by tick(): control messages get a turn between posts
         elif isinstance(cmd, AbortCmd):
             room = self.rooms.get(cmd.handle.room)
             if room is not None and room.sender is cmd.handle:
@@ -210,7 +209,8 @@ class PrefillSide(Side):
 
     # ---- the WRITE pipeline -------------------------------------------------------------
     def _pump(self, room: _Room) -> None:
-        while room.pending and room.failed_at is None:
+        """Post the oldest pending send of `room` (one per tick)."""
+        if room.pending and room.failed_at is None:
             cmd = room.pending[0]
             if cmd.is_last and room.src_aux is None:
                 room.src_aux = self.aux_slots.alloc()
@@ -313,10 +313,10 @@ class PrefillSide(Side):
             for xfer in room.outstanding:
                 self.endpoint.release(xfer)
             self._finish(room, ok=False)
-        elif room.last_posted and not room.outstanding:
-            self._finish(room, ok=True)
         elif room.pending:
             self._pump(room)
+        elif room.last_posted and not room.outstanding:
+            self._finish(room, ok=True)
         elif room.peer is None and now - room.created > self.cfg.bootstrap_timeout_s:
             why = f"bootstrap timeout: decode sent no page ids within {self.cfg.bootstrap_timeout_s:.1f}s"
             self._room_failed(room, FailureCause.BOOTSTRAP_TIMEOUT, why)

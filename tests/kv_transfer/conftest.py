@@ -1,0 +1,67 @@
+# ruff: noqa: E402
+"""Fixtures: one prefill worker process per module (the survivor of failure tests) and an
+in-process decode manager driven like a scheduler. Processes are always killed."""
+
+from __future__ import annotations
+
+import random
+import sys
+from pathlib import Path
+
+# tests/ is on sys.path (rootdir conftest), so tests/kv_transfer would shadow the real
+# package as a namespace package; the repo root first makes `kv_transfer` the real one.
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import pytest
+
+from common.cache.kv_pool import KVPool
+from kv_transfer import AuxBuffer, AuxSlotAllocator, KVManager
+from tests.kv_transfer.harness import Driver, PoolSpec, Worker, make_manager
+
+
+class PageAlloc:
+    """Hands out distinct decode pages (1..num_pages-1, page 0 reserved) for tests."""
+
+    def __init__(self, num_pages: int, seed: int = 0) -> None:
+        self.free = list(range(1, num_pages))
+        random.Random(seed).shuffle(self.free)
+
+    def take(self, n: int) -> list[int]:
+        out, self.free = self.free[:n], self.free[n:]
+        assert len(out) == n, "test pool exhausted"
+        return out
+
+    def put(self, pages: list[int]) -> None:
+        self.free.extend(pages)
+
+
+@dataclass
+class DecodeSide:
+    mgr: KVManager
+    driver: Driver
+    aux: AuxBuffer
+    slots: AuxSlotAllocator
+    pages: PageAlloc
+    pool: KVPool
+
+
+@pytest.fixture(scope="module")
+def prefill() -> Iterator[Worker]:
+    worker = Worker("prefill", PoolSpec(), seed=1)
+    try:
+        yield worker
+    finally:
+        worker.stop()
+
+
+@pytest.fixture(scope="module")
+def decode() -> Iterator[DecodeSide]:
+    spec = PoolSpec()
+    mgr, pool, aux = make_manager("decode", spec, None, drain_timeout_s=3.0)
+    try:
+        yield DecodeSide(mgr, Driver(mgr), aux, AuxSlotAllocator(spec.aux_slots), PageAlloc(spec.num_pages), pool)
+    finally:
+        mgr.shutdown()
+        assert not mgr._thread.is_alive(), "decode manager thread did not stop"
