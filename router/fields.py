@@ -24,7 +24,7 @@ def decode_json_object(raw: bytes, content_type: str | None) -> dict[str, Any]:
         raise bad_request("request body is empty; expected a JSON object")
     try:
         body = msgspec.json.decode(raw)
-    except msgspec.MsgspecError as e:
+    except (msgspec.MsgspecError, UnicodeDecodeError) as e:
         raise bad_request(f"request body is not valid JSON (UTF-8): {e}") from None
     if not isinstance(body, dict):
         raise bad_request(f"request body must be a JSON object, got {type(body).__name__}")

@@ -63,18 +63,23 @@ async def read_body(request: Request, limit: int) -> bytes:
 async def _unless_disconnected(request: Request, aw: Awaitable[T]) -> T:
     """Await `aw`, or raise ClientGone if the client disconnects first (body already read)."""
     main = asyncio.ensure_future(aw)
-    watch = asyncio.ensure_future(request.receive())
+    watch = asyncio.ensure_future(_disconnected(request))
     try:
         await asyncio.wait((main, watch), return_when=asyncio.FIRST_COMPLETED)
         if main.done():
             return main.result()
-        if watch.result().get("type") == "http.disconnect":
-            raise ClientGone
-        return await main
+        raise ClientGone
     finally:
         watch.cancel()
         if not main.done():
             main.cancel()
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns when the client has gone (uvicorn may hand out empty body events first)."""
+    receive = request.receive
+    while (await receive())["type"] != "http.disconnect":
+        pass
 
 
 class GenerationHandler:

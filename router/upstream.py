@@ -110,6 +110,7 @@ class Attempt:
         self.p_guard: LoadGuard | None = prefill.acquire(n_prompt) if prefill is not None else None
         self._p_task: asyncio.Task[None] | None = None
         self._d_resp: httpx.Response | None = None
+        self._first_task: asyncio.Future[WorkerEvent] | None = None
         self.prefill_error: UpstreamError | None = None
 
     @property
@@ -121,7 +122,7 @@ class Attempt:
         if self.prefill is not None:
             self._p_task = asyncio.ensure_future(self._run_prefill(self.prefill))
         d_events = self._decode_events()
-        first_task = asyncio.ensure_future(d_events.__anext__())
+        first_task = self._first_task = asyncio.ensure_future(d_events.__anext__())
         if self._p_task is not None:
             await asyncio.wait((first_task, self._p_task), return_when=asyncio.FIRST_COMPLETED)
             if not first_task.done() and self._p_task.exception() is not None:
@@ -194,6 +195,10 @@ class Attempt:
     async def aclose(self, *, cancel_prefill: bool) -> None:
         """Close D's connection; cancel P unless the request succeeded (then let it drain)."""
         self.d_guard.finish(None)  # no-op if an outcome was already recorded
+        first = self._first_task
+        if first is not None and not first.done():  # cancelled while waiting for D's first event
+            first.cancel()
+            await asyncio.gather(first, return_exceptions=True)
         if self._d_resp is not None:
             await self._d_resp.aclose()
         p_task = self._p_task

@@ -27,18 +27,30 @@ class Cluster:
         self.procs.append(w)
         return w
 
-    def router(self, args: list[str]) -> RouterProc:
-        r = RouterProc(self.model, args)
+    def stubs(self, *roles: str) -> list[StubWorker]:
+        """Start several stubs at once (process start-up dominates test time)."""
+        out = [StubWorker(role, wait=False) for role in roles]
+        self.procs.extend(out)
+        for w in out:
+            w.wait_up()
+        return out
+
+    def router(self, args: list[str], *, wait: bool = True) -> RouterProc:
+        r = RouterProc(self.model, args, wait=wait)
         self.procs.append(r)
         return r
 
-    def pd(self, n_prefill: int = 1, n_decode: int = 1, *extra: str, ready: bool = True
-           ) -> tuple[RouterProc, list[StubWorker], list[StubWorker]]:
-        ps = [self.stub("prefill") for _ in range(n_prefill)]
-        ds = [self.stub("decode") for _ in range(n_decode)]
-        r = self.router(pd_args(ps, ds, "--health-check-interval", "0.2", *extra))
-        if ready:
-            r.wait_ready()
+    def pd(self, n_prefill: int = 1, n_decode: int = 1, *extra: str) -> tuple[RouterProc, list[StubWorker],
+                                                                               list[StubWorker]]:
+        """Stubs and router started together; returns once the router is ready."""
+        ps = [StubWorker("prefill", wait=False) for _ in range(n_prefill)]
+        ds = [StubWorker("decode", wait=False) for _ in range(n_decode)]
+        self.procs.extend(ps + ds)
+        r = self.router(pd_args(ps, ds, "--health-check-interval", "0.2", *extra), wait=False)
+        for w in ps + ds:
+            w.wait_up()
+        r.wait_up()
+        r.wait_ready()
         return r, ps, ds
 
     def stop(self) -> None:

@@ -73,13 +73,17 @@ class Proc:
 
 
 class StubWorker(Proc):
-    def __init__(self, role: str, port: int | None = None, **behavior: Any) -> None:
+    def __init__(self, role: str, port: int | None = None, *, wait: bool = True, **behavior: Any) -> None:
         self.role = role
         self.port = port or free_port()
         code = "import sys, stub_worker; stub_worker.main(sys.argv[1:])"
         argv = [sys.executable, "-c", code, "--port", str(self.port), "--role", role,
                 "--behavior", json.dumps(behavior)]
         super().__init__(argv, f"http://127.0.0.1:{self.port}", f"stub-{role}-{self.port}")
+        if wait:
+            self.wait_up()
+
+    def wait_up(self) -> None:
         self.wait_http("/stub/stats")
 
     def control(self, **behavior: Any) -> None:
@@ -95,11 +99,16 @@ class StubWorker(Proc):
 
 
 class RouterProc(Proc):
-    def __init__(self, model_dir: str | Path, args: list[str], port: int | None = None) -> None:
+    def __init__(self, model_dir: str | Path, args: list[str], port: int | None = None, *, wait: bool = True
+                 ) -> None:
         self.port = port or free_port()
         argv = [sys.executable, "-m", "router", "--model-path", str(model_dir), "--port", str(self.port),
                 "--log-level", "warning", *args]
         super().__init__(argv, f"http://127.0.0.1:{self.port}", f"router-{self.port}")
+        if wait:
+            self.wait_up()
+
+    def wait_up(self) -> None:
         self.wait_http("/workers")
 
     def wait_ready(self, timeout: float = 20.0) -> None:

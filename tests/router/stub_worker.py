@@ -56,6 +56,7 @@ class Stats:
     failed: int = 0
     rooms: list[int] = field(default_factory=list)
     rids: list[str] = field(default_factory=list)
+    aborted_rids: list[str] = field(default_factory=list)
     header_rids: list[str] = field(default_factory=list)
     inputs: list[list[int]] = field(default_factory=list)
     last_body: dict[str, Any] | None = None
@@ -113,6 +114,7 @@ def build_app(role: str, behavior: Behavior) -> FastAPI:
             b.fail_count -= 1 if b.fail_count > 0 else 0
             if b.delay_s and not await _sleep_unless_gone(request, b.delay_s):
                 s.aborted += 1
+                s.aborted_rids.append(body.get("rid", ""))
                 return Response(status_code=499)
             s.failed += 1
             return err(b.fail_status, f"stub failure {b.fail_status}")
@@ -148,6 +150,7 @@ def build_app(role: str, behavior: Behavior) -> FastAPI:
         if not body.get("stream"):
             if b.delay_s and not await _sleep_unless_gone(request, b.delay_s):
                 s.aborted += 1
+                s.aborted_rids.append(body.get("rid", ""))
                 return Response(status_code=499)
             s.completed += 1
             out_ids = [] if role == "prefill" else tokens
@@ -184,6 +187,7 @@ def build_app(role: str, behavior: Behavior) -> FastAPI:
                 s.completed += 1
             except (asyncio.CancelledError, GeneratorExit):
                 s.aborted += 1
+                s.aborted_rids.append(body.get("rid", ""))
                 raise
 
         return StreamingResponse(events(), media_type="text/event-stream")
@@ -193,10 +197,14 @@ def build_app(role: str, behavior: Behavior) -> FastAPI:
 
 async def _sleep_unless_gone(request: Request, seconds: float) -> bool:
     """Sleep; False if the client disconnected meanwhile."""
-    watch = asyncio.ensure_future(request.receive())
+    async def gone() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    watch = asyncio.ensure_future(gone())
     try:
         done, _ = await asyncio.wait({watch}, timeout=seconds)
-        return not (done and watch.result().get("type") == "http.disconnect")
+        return not done
     finally:
         watch.cancel()
 
