@@ -56,6 +56,7 @@ class FinishReason(msgspec.Struct, frozen=True, array_like=True):
     matched_token: int | None = None  # the stop/eos token id
     message: str | None = None  # for "abort": why
     status_code: int = 200  # HTTP status for errors (400 bad input, 500 internal, 503, 504 timeout)
+    err_type: str | None = None  # error type shown to the client (e.g. "kv_transfer_failed")
 
 
 class TokenOut(msgspec.Struct, frozen=True, array_like=True):

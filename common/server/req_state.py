@@ -103,7 +103,7 @@ class ReqState:
             self.engine_done = True
             if reason.type == "abort" and reason.status_code != 200:
                 self.finished = True
-                raise ApiError(reason.status_code, reason.message or "request failed in the engine")
+                raise ApiError(reason.status_code, reason.message or "request failed in the engine", reason.err_type)
         self.completion_tokens = out.completion_tokens
         finish = finish_reason_json(reason) if reason is not None else None
         ids = list(out.new_token_ids)
