@@ -121,33 +121,49 @@ class Sampler:
 
     def _draw(self, logits: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
         probs = torch.softmax(logits / info.temperatures, dim=-1)
-        noise = self._noise(info)
         if not (info.need_top_k or info.need_top_p):
             if info.need_min_p:
                 probs = probs.masked_fill(probs < info.min_ps[:, None] * probs.amax(-1, keepdim=True), 0.0)
-            return (probs / noise).argmax(dim=-1)
-        probs, order = probs.sort(dim=-1, descending=True)
+            return (probs / self._noise(info, None)).argmax(dim=-1)
+        probs, order = self._rank(probs, info)
         if info.need_top_k:
-            ranks = torch.arange(self.vocab_size, device=probs.device)[None, :]
+            ranks = torch.arange(probs.shape[1], device=probs.device)[None, :]
             probs = probs.masked_fill(ranks >= info.top_ks[:, None], 0.0)
         if info.need_top_p:
+            # top-p over the distribution renormalised after top-k (mass 1 when top-k is off)
+            mass = torch.where(info.top_ks < self.vocab_size, probs.sum(-1), 1.0)[:, None]
             before = probs.cumsum(dim=-1) - probs  # mass of the strictly more likely tokens
-            probs = probs.masked_fill(before > info.top_ps[:, None] * probs.sum(-1, keepdim=True), 0.0)
+            probs = probs.masked_fill(before > info.top_ps[:, None] * mass, 0.0)
         if info.need_min_p:
             probs = probs.masked_fill(probs < info.min_ps[:, None] * probs[:, :1], 0.0)
-        choice = (probs / noise.gather(1, order)).argmax(dim=-1, keepdim=True)
+        choice = (probs / self._noise(info, order)).argmax(dim=-1, keepdim=True)
         return order.gather(1, choice).squeeze(1)
 
-    def _noise(self, info: SamplingBatchInfo) -> torch.Tensor:
-        """Exp(1) noise [bs, vocab]; seeded rows depend only on (seed, step of that row)."""
-        noise = torch.empty(info.batch_size, self.vocab_size, device=self.device)
+    def _rank(self, probs: torch.Tensor, info: SamplingBatchInfo) -> tuple[torch.Tensor, torch.Tensor]:
+        """The candidate tokens in descending probability: (probs [bs, k], token ids [bs, k])."""
+        if info.candidate_k < self.vocab_size:
+            top, order = probs.topk(info.candidate_k, dim=-1)
+            if not info.check_candidate_mass:
+                return top, order
+            free = info.top_ks >= self.vocab_size
+            covered = info.greedy | ~free | (top.sum(-1) >= info.top_ps)
+            if bool(covered.all()):
+                return top, order
+        return probs.sort(dim=-1, descending=True)
+
+    def _noise(self, info: SamplingBatchInfo, order: torch.Tensor | None) -> torch.Tensor:
+        """Exp(1) noise for each candidate token ([bs, vocab], or aligned with `order` [bs, k]).
+        A seeded row's noise is a function of (seed, step, token id) only."""
+        width = self.vocab_size if order is None else order.shape[1]
+        noise = torch.empty(info.batch_size, width, device=self.device)
         if any(s is None for s in info.seeds):
             noise.exponential_()
         for i, seed in enumerate(info.seeds):
             if seed is not None:
                 gen = torch.Generator(device=self.device)
                 gen.manual_seed(_mix(seed, self._steps[info.rows_cpu[i]]))
-                noise[i].exponential_(generator=gen)
+                row = torch.empty(self.vocab_size, device=self.device).exponential_(generator=gen)
+                noise[i] = row if order is None else row[order[i]]
         return noise
 
     def _logprobs(self, raw: torch.Tensor, next_ids: torch.Tensor, info: SamplingBatchInfo) -> SampleOutput:

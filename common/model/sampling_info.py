@@ -15,6 +15,10 @@ import torch
 
 from common.sampling_params import SamplingParams
 
+# Top-p without top-k first looks at this many most likely tokens (falls back to a full sort
+# when their mass is below top_p): a full-vocabulary sort costs far more on CPU.
+TOP_P_CANDIDATES = 1024
+
 
 @dataclass
 class SamplingBatchInfo:
@@ -35,6 +39,8 @@ class SamplingBatchInfo:
     need_top_k: bool
     need_top_p: bool
     need_min_p: bool
+    candidate_k: int  # tokens to rank for top-k/top-p (vocab_size = full sort)
+    check_candidate_mass: bool  # rows without top-k rely on the candidates covering top_p
     has_penalties: bool
     has_repetition_penalty: bool
 
@@ -71,6 +77,12 @@ class SamplingBatchInfo:
             return torch.tensor(x, dtype=torch.float32, device=device)
 
         sampled = [p for p, g in zip(params, greedy, strict=True) if not g]
+        restricted = [p.top_k for p in sampled if 0 < p.top_k < vocab_size]
+        free = [p for p in sampled if not 0 < p.top_k < vocab_size]
+        candidate_k = max(restricted, default=0)
+        if free:
+            wide = TOP_P_CANDIDATES if all(p.top_p < 1.0 for p in free) else vocab_size
+            candidate_k = max(candidate_k, wide)
         return cls(
             rows=torch.tensor(list(rows), dtype=torch.int64, device=device),
             rows_cpu=list(rows),
@@ -86,8 +98,10 @@ class SamplingBatchInfo:
             top_logprobs_nums=nums,
             return_logprob=return_logprob or any(nums),
             is_all_greedy=all(greedy),
-            need_top_k=any(p.top_k > 0 and p.top_k < vocab_size for p in sampled),
+            need_top_k=bool(restricted),
             need_top_p=any(p.top_p < 1.0 for p in sampled),
+            candidate_k=min(candidate_k, vocab_size),
+            check_candidate_mass=bool(free) and candidate_k < vocab_size,
             need_min_p=any(p.min_p > 0.0 for p in sampled),
             has_penalties=any(p.has_penalties for p in params),
             has_repetition_penalty=any(p.repetition_penalty != 1.0 for p in params),

@@ -13,8 +13,11 @@ from common.sampling_params import SamplingParams
 V = 50
 
 
-def info_for(params: list[SamplingParams], rows: list[int] | None = None, **kw) -> SamplingBatchInfo:
-    return SamplingBatchInfo.from_params(params, rows if rows is not None else list(range(len(params))), vocab_size=V, **kw)
+def info_for(
+    params: list[SamplingParams], rows: list[int] | None = None, vocab: int = V, **kw
+) -> SamplingBatchInfo:
+    rows = rows if rows is not None else list(range(len(params)))
+    return SamplingBatchInfo.from_params(params, rows, vocab_size=vocab, **kw)
 
 
 def crafted(probs: list[float], rows: int) -> torch.Tensor:
@@ -43,27 +46,40 @@ def test_greedy_is_argmax_and_top_k_1_is_greedy() -> None:
 
 
 def test_seed_reproducible_regardless_of_batch_mates() -> None:
+    vocab = 4096  # > TOP_P_CANDIDATES, so top-p alone ranks candidates instead of sorting everything
     torch.manual_seed(1)
-    steps = [torch.randn(V) for _ in range(12)]
-    seeded = SamplingParams(temperature=1.0, seed=1234)
+    steps = [torch.randn(vocab) * 4 for _ in range(12)]
 
-    def run(row: int, mates: list[SamplingParams], mate_rows: list[int], seed_params: SamplingParams) -> list[int]:
-        sampler = Sampler(V, max_rows=16)
+    def run(row: int, mates: list[SamplingParams], mate_rows: list[int], seeded: SamplingParams) -> list[int]:
+        sampler = Sampler(vocab, max_rows=16)
         sampler.reset_row(row, [1, 2, 3])
-        params = mates + [seed_params]
-        info = info_for(params, mate_rows + [row])
+        params = mates + [seeded]
+        info = info_for(params, mate_rows + [row], vocab=vocab)
         tokens = []
         for logit in steps:
-            logits = torch.randn(len(params), V) * 4
+            logits = torch.randn(len(params), vocab) * 4
             logits[-1] = logit
             tokens.append(int(sampler.sample(logits, info).next_token_ids[-1]))
         return tokens
 
-    alone = run(0, [], [], seeded)
-    crowded = run(9, [SamplingParams(temperature=1.0), SamplingParams(temperature=0.7, seed=7)], [3, 4], seeded)
-    assert alone == crowded
-    other_seed = run(0, [], [], SamplingParams(temperature=1.0, seed=4321))
-    assert other_seed != alone
+    plain = SamplingParams(temperature=1.0, seed=1234)
+    alone = run(0, [], [], plain)
+    assert alone == run(9, [SamplingParams(temperature=1.0), SamplingParams(temperature=0.7, seed=7)], [3, 4], plain)
+    assert run(0, [], [], SamplingParams(temperature=1.0, seed=4321)) != alone
+    # a batch-mate without top-p forces a full sort instead of ranking candidates: same tokens
+    nucleus = SamplingParams(temperature=1.0, top_p=0.9, seed=99)
+    assert info_for([nucleus], vocab=vocab).candidate_k < vocab
+    assert info_for([SamplingParams(), nucleus], vocab=vocab).candidate_k == vocab
+    assert run(0, [], [], nucleus) == run(5, [SamplingParams(temperature=1.0)], [1], nucleus)
+
+
+def test_top_p_candidates_fall_back_to_a_full_sort_when_too_flat() -> None:
+    vocab, n = 4096, 512
+    logits = torch.zeros(n, vocab)
+    logits[:, :1024] = 1.0  # the 1024 candidates hold e*1024 / (e*1024 + 3072) = 47.5% < top_p
+    out = Sampler(vocab, max_rows=n).sample(logits, info_for([SamplingParams(top_p=0.9)] * n, vocab=vocab))
+    tail = (out.next_token_ids >= 1024).float().mean().item()
+    assert 0.35 < tail < 0.6  # (0.9 - 0.475) / 0.9 of the kept mass lies beyond the candidates
 
 
 def test_top_k_keeps_exactly_the_k_most_likely() -> None:
