@@ -102,6 +102,7 @@ def build_engine_core(
     scheduler_cls: type[Scheduler] = Scheduler,
     scheduler_kwargs: dict[str, Any] | None = None,
     extra_req_rows: int = EXTRA_REQ_ROWS,
+    defer_frees: bool = False,
     on_worker_start: Callable[[], None] | None = None,
 ) -> EngineCore:
     model_path = resolve_model_path(args.model_path)
@@ -125,7 +126,7 @@ def build_engine_core(
     )
     allocator = PageAllocator(kv_pool.num_pages, args.page_size)
     radix = RadixCache(allocator, args.page_size, disable=args.disable_radix_cache)
-    kv = ReqKVManager(allocator, radix, req_pool)
+    kv = ReqKVManager(allocator, radix, req_pool, defer_frees=defer_frees)
     future_capacity = 4 * (req_pool.max_reqs + 8)
     sampler = Sampler(config.vocab_size, req_pool.max_reqs, device)
     worker = TorchModelWorker(runner, sampler, future_capacity=future_capacity)

@@ -14,6 +14,7 @@ extend this class through the hooks at the bottom.
 
 from __future__ import annotations
 
+import enum
 import logging
 import time
 from collections.abc import Callable
@@ -33,6 +34,14 @@ from common.server.io_struct import FinishReason, TokenOut
 logger = logging.getLogger(__name__)
 
 OutputSink = Callable[[list[TokenOut]], None]
+
+
+class PageFate(enum.Enum):
+    """What a finishing request's KV pages become."""
+
+    CACHE = "cache"  # whole computed pages join the radix cache, the rest is freed
+    FREE = "free"  # all freed
+    KEEP = "keep"  # untouched: the role releases them later (e.g. after a drain ack)
 
 
 class RequestRejected(ValueError):
@@ -82,6 +91,16 @@ class Scheduler:
 
     # ---- requests in ------------------------------------------------------------------------
     def add_request(self, req: Req) -> None:
+        self.validate_request(req)
+        self.reqs[req.rid] = req
+        self._idle_checked = False
+        self.enqueue(req)
+
+    def enqueue(self, req: Req) -> None:
+        """Where a validated request starts (roles: bootstrap / prealloc queues)."""
+        self.waiting.append(req)
+
+    def validate_request(self, req: Req) -> None:
         if req.rid in self.reqs:
             raise RequestRejected(f"duplicate request id {req.rid!r}")
         n = len(req.origin_input_ids)
@@ -92,9 +111,6 @@ class Scheduler:
         capacity = self.kv.allocator.num_usable * self.kv.page_size
         if n + 1 > capacity:
             raise RequestRejected(f"the prompt needs {n + 1} KV slots; this instance holds {capacity}")
-        self.reqs[req.rid] = req
-        self.waiting.append(req)
-        self._idle_checked = False
 
     def abort(self, rid: str, reason: str = "aborted", status_code: int = 499) -> bool:
         req = self.reqs.get(rid)
@@ -104,8 +120,14 @@ class Scheduler:
         return True
 
     @property
-    def has_work(self) -> bool:
+    def has_runnable_work(self) -> bool:
+        """Something a step can compute or resolve now."""
         return bool(self.waiting or self.running or self.chunked or self.in_flight)
+
+    @property
+    def has_work(self) -> bool:
+        """Anything not finished (roles add requests waiting on transfers)."""
+        return self.has_runnable_work
 
     # ---- the loop ---------------------------------------------------------------------------
     def step(self) -> None:
@@ -327,13 +349,15 @@ class Scheduler:
             self.waiting.remove(req)
         if self.chunked is req:
             self.chunked = None
-        self.on_finish(req)
-        self.kv.release(req, keep_in_cache=True)
+        fate = self.on_finish(req)
+        if fate is not PageFate.KEEP:
+            self.kv.release(req, keep_in_cache=fate is PageFate.CACHE)
         self.reqs.pop(req.rid, None)
         self._emit(req)
 
-    def on_finish(self, req: Req) -> None:
-        """Hook for roles (e.g. release a transfer handle)."""
+    def on_finish(self, req: Req) -> PageFate:
+        """Hook for roles (e.g. abort a transfer); says what happens to req's KV pages."""
+        return PageFate.CACHE
 
     def _emit(self, req: Req) -> None:
         new = req.output_ids[req.sent_len :]

@@ -33,6 +33,7 @@ from common.server.server_args import ServerArgs
 logger = logging.getLogger(__name__)
 
 IDLE_WAIT_S = 0.02
+WAITING_ON_PEERS_S = 0.001
 PARENT_CHECK_S = 1.0
 
 
@@ -43,17 +44,33 @@ class EngineLoop:
         self.args = args
         self.channel = channel
         self.core: EngineCore = build_engine_core(
-            args, self._send_tokens, scheduler_cls=self.scheduler_cls, scheduler_kwargs=self.make_scheduler_kwargs()
+            args,
+            self._send_tokens,
+            scheduler_cls=self.scheduler_cls,
+            scheduler_kwargs=self.make_scheduler_kwargs(),
         )
         self.scheduler = self.core.scheduler
         self.eos_token_ids = frozenset(self.core.model_config.eos_token_ids)
         self._parent = os.getppid()
         self._last_parent_check = time.monotonic()
         self.running = True
+        self.setup()
 
     # ---- seams for roles --------------------------------------------------------------------
+    def adjust_args(self, args: ServerArgs) -> ServerArgs:
+        return args
+
+    def core_options(self) -> dict[str, Any]:
+        return {}
+
     def make_scheduler_kwargs(self) -> dict[str, Any]:
         return {}
+
+    def setup(self) -> None:
+        """Called once the engine core exists (roles start their transfer manager here)."""
+
+    def shutdown(self) -> None:
+        self.core.shutdown()
 
     def make_req(self, msg: GenerateReq) -> Req:
         return Req(
@@ -104,21 +121,28 @@ class EngineLoop:
 
     def run(self) -> None:
         while self.running:
-            busy = self.scheduler.has_work
-            for msg in self.channel.recv_requests(0.0 if busy else IDLE_WAIT_S):
+            if self.scheduler.has_runnable_work:
+                wait = 0.0
+            elif self.scheduler.has_work:
+                wait = WAITING_ON_PEERS_S  # only transfers in progress: poll them, don't spin
+            else:
+                wait = IDLE_WAIT_S
+            for msg in self.channel.recv_requests(wait):
                 self.handle(msg)
             self.before_step()
-            if self.scheduler.has_work:
+            if self.scheduler.has_runnable_work:
                 self.scheduler.step()
+            self.scheduler.flush()  # outputs produced outside a step (e.g. by transfer polls)
             if not self._parent_alive():
                 logger.warning("frontend process is gone; engine exits")
                 break
-        self.core.shutdown()
+        self.shutdown()
 
 
 def engine_main(args: ServerArgs, addrs: EngineIpcAddrs, loop_cls: type[EngineLoop] = EngineLoop) -> None:
     logging.basicConfig(
-        level=args.log_level.upper(), format="%(asctime)s %(levelname)s [engine pid=%(process)d] %(name)s: %(message)s"
+        level=args.log_level.upper(),
+        format="%(asctime)s %(levelname)s [engine pid=%(process)d] %(name)s: %(message)s",
     )
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the frontend owns Ctrl-C and stops us
     channel = EngineChannel(addrs)
@@ -127,7 +151,9 @@ def engine_main(args: ServerArgs, addrs: EngineIpcAddrs, loop_cls: type[EngineLo
         stats = loop.core.ready_stats()
         logger.info(
             "engine ready: model %s, KV pool %d tokens (%.1f MiB)",
-            loop.core.model_path, int(stats["max_total_tokens"]), stats["kv_pool_bytes"] / 2**20,
+            loop.core.model_path,
+            int(stats["max_total_tokens"]),
+            stats["kv_pool_bytes"] / 2**20,
         )
         channel.send_ready(stats)
         loop.run()

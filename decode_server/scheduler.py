@@ -1,0 +1,251 @@
+"""Decode role: receive prompt KV from prefill, then decode in the overlap loop.
+
+    request ─> prealloc queue (handshake with its prefill; admission when memory allows:
+               row + pages for the whole prompt + an aux slot -> receiver.init)
+           ─> transfer queue (poll) ─ Success & room matches ─> PREBUILT: first token from
+              the aux row streamed at once, request merged into the running batch in the
+              same iteration (no forward) ─> decode ... finish
+                                     └ Failed ─> client error; pages wait in the drain
+                                                 queue until prefill acked its writes
+    retract (memory short): KV copied to host, pages freed; restored into new pages when
+    memory allows (no re-prefill). While any request waits there, nothing is admitted.
+
+Admission reserves, per running or transferring request,
+max(new_token_ratio x min(remaining new tokens, 4096), min(remaining, --num-reserved-decode-tokens)).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+from common.cache.kv_pool import KVPool
+from common.scheduler.req import Req, ReqState
+from common.scheduler.scheduler import PageFate, Scheduler
+from common.server.io_struct import FinishReason
+from kv_transfer import AuxSlotAllocator, KVManager, KVPoll, KVReceiver
+
+logger = logging.getLogger(__name__)
+
+RECEIVER = "kv_receiver"
+AUX_SLOT = "kv_aux_slot"
+HOST_KV = "host_kv"
+
+
+class DecodeScheduler(Scheduler):
+    def __init__(self, *args: Any, num_reserved_decode_tokens: int = 512, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.num_reserved_decode_tokens = num_reserved_decode_tokens
+        self.transfer: KVManager | None = None
+        self.aux_slots: AuxSlotAllocator | None = None
+        self.kv_pool: KVPool | None = None
+        self.prealloc: list[Req] = []
+        self.transferring: list[Req] = []
+        self.draining: list[Req] = []
+        self.retracted: list[Req] = []
+        self.num_transfer_failures = 0
+        self.num_prebuilt = 0
+
+    def attach_transfer(self, manager: KVManager, aux_slots: AuxSlotAllocator, kv_pool: KVPool) -> None:
+        self.transfer = manager
+        self.aux_slots = aux_slots
+        self.kv_pool = kv_pool
+
+    @property
+    def has_work(self) -> bool:
+        return self.has_runnable_work or bool(self.prealloc or self.transferring or self.draining or self.retracted)
+
+    # ---- intake -----------------------------------------------------------------------------
+    def enqueue(self, req: Req) -> None:
+        assert self.transfer is not None, "decode scheduler without a KV transfer manager"
+        host, port, room = req.extra["bootstrap"]
+        req.extra[RECEIVER] = self.transfer.create_receiver(req.rid, room, host, port)
+        self.prealloc.append(req)
+
+    def _receiver(self, req: Req) -> KVReceiver:
+        receiver: KVReceiver = req.extra[RECEIVER]
+        return receiver
+
+    def poll_transfers(self) -> None:
+        self._release_drained()
+        self._poll_transferring()
+        if self.retracted:
+            self._restore_retracted()
+        self._admit_preallocated()
+
+    # ---- admission --------------------------------------------------------------------------
+    def reservation(self, req: Req) -> int:
+        remaining = req.remaining_new_tokens
+        by_ratio = int(min(remaining, self.cfg.clip_max_new_tokens_estimation) * self.ratio.value)
+        return max(by_ratio, min(remaining, self.num_reserved_decode_tokens))
+
+    def _free_budget_tokens(self) -> int:
+        reserved = sum(self.reservation(r) for r in self.running if not r.finished)
+        reserved += sum(self.reservation(r) for r in self.transferring)
+        return self.kv.available_tokens() - reserved
+
+    def _admit_preallocated(self) -> None:
+        assert self.aux_slots is not None
+        budget = self._free_budget_tokens()
+        queue, still = list(self.prealloc), []
+        for i, req in enumerate(queue):
+            receiver = self._receiver(req)
+            if receiver.poll() == KVPoll.Failed:
+                self._fail(req, receiver)
+                continue
+            if self.retracted or len(self.running) + len(self.transferring) >= self.cfg.max_running_requests:
+                still.extend(queue[i:])
+                break
+            prompt = len(req.origin_input_ids)
+            need = -(-prompt // self.kv.page_size) * self.kv.page_size + self.reservation(req)
+            if need > budget or self.kv.req_pool.num_free == 0 or self.aux_slots.num_free == 0:
+                still.extend(queue[i:])
+                break
+            if not self.kv.attach_prefix(req, [], self.kv.radix.root):
+                still.extend(queue[i:])
+                break
+            if self.kv.alloc_tokens(req, prompt) is None:
+                self.kv.release(req, keep_in_cache=False)
+                still.extend(queue[i:])
+                break
+            slot = self.aux_slots.alloc()
+            assert slot is not None
+            req.extra[AUX_SLOT] = slot
+            pages = self.kv.allocator.pages_of(req.kv_slots)
+            receiver.init(pages, slot)
+            budget -= need
+            self.transferring.append(req)
+        self.prealloc = still
+
+    # ---- transfer completion ----------------------------------------------------------------
+    def _poll_transferring(self) -> None:
+        for req in list(self.transferring):
+            receiver = self._receiver(req)
+            state = receiver.poll()
+            if state == KVPoll.Success:
+                self.transferring.remove(req)
+                self._prebuilt(req, receiver)
+            elif state == KVPoll.Failed:
+                self._fail(req, receiver)  # on_finish takes it out of the queue
+
+    def _prebuilt(self, req: Req, receiver: KVReceiver) -> None:
+        """Join the running batch without a forward: the prompt KV is in place, the first
+        token comes from the aux row (its own KV is written by the first decode step)."""
+        row = receiver.aux_row()
+        self._free_aux_slot(req)
+        if row is None or row.room != receiver.room:
+            self._finish(req, FinishReason("abort", message="KV transfer aux row does not match the room",
+                                           status_code=500, err_type="corruption"))
+            return
+        self.num_prebuilt += 1
+        req.output_ids.append(row.first_token)
+        if req.return_logprob and row.logprob is not None:
+            req.output_logprobs.append(row.logprob)
+        req.cached_tokens = row.cached_tokens
+        req.needs_sampler_reset = True
+        reason = req.check_finished(row.first_token)
+        if reason is not None:
+            self._finish(req, reason)
+            return
+        req.state = ReqState.RUNNING
+        self.running.append(req)
+        if req.stream:
+            self._emit(req)
+
+    def _fail(self, req: Req, receiver: KVReceiver) -> None:
+        self.num_transfer_failures += 1
+        reason = receiver.failure_reason or "KV transfer failed"
+        cause = receiver.failure_cause.value if receiver.failure_cause else "kv_transfer_failed"
+        status = 504 if "timeout" in cause else 500
+        logger.warning("rid=%s room=%s transfer failed: %s", req.rid, receiver.room, reason)
+        self._finish(req, FinishReason("abort", message=f"KV transfer failed: {reason}", status_code=status,
+                                       err_type=cause))
+
+    def _free_aux_slot(self, req: Req) -> None:
+        slot = req.extra.pop(AUX_SLOT, None)
+        if slot is not None and self.aux_slots is not None:
+            self.aux_slots.free(slot)
+
+    def _release_drained(self) -> None:
+        still: list[Req] = []
+        for req in self.draining:
+            if self._receiver(req).pages_releasable():
+                self.kv.release(req, keep_in_cache=False)
+                self._free_aux_slot(req)
+            else:
+                still.append(req)
+        self.draining = still
+
+    # ---- retraction with a host copy ----------------------------------------------------------
+    def on_retract(self, req: Req) -> None:
+        assert req.num_pending == 0 and self.in_flight is None, "retract needs a quiet worker"
+        assert self.kv_pool is not None
+        slots = torch.tensor(req.kv_slots, dtype=torch.int64, device=self.kv_pool.device)
+        req.extra[HOST_KV] = self.kv_pool.copy_slots_to_host(slots)
+        self.kv.release(req, keep_in_cache=False)
+        self.running.remove(req)
+        req.state = ReqState.RETRACTED
+        req.retractions += 1
+        self.retracted.append(req)
+
+    def _restore_retracted(self) -> None:
+        ps = self.kv.page_size
+        while self.retracted:
+            req = self.retracted[0]
+            k, v = req.extra[HOST_KV]
+            tokens = int(k.shape[1])
+            need = -(-tokens // ps) * ps + self.reservation(req) + len(self.running) * ps
+            if need > self._free_budget_tokens() or self.kv.req_pool.num_free == 0:
+                return
+            self._resolve_in_flight()  # the worker must be idle while we write KV from here
+            self.kv.free_deferred()
+            if not self.kv.attach_prefix(req, [], self.kv.radix.root):
+                return
+            slots = self.kv.alloc_tokens(req, tokens)
+            if slots is None:
+                self.kv.release(req, keep_in_cache=False)
+                return
+            assert self.kv_pool is not None
+            index = torch.tensor(slots, dtype=torch.int64, device=self.kv_pool.device)
+            self.kv_pool.restore_slots_from_host(index, k, v)
+            del req.extra[HOST_KV]
+            self.retracted.pop(0)
+            req.needs_sampler_reset = True
+            req.state = ReqState.RUNNING
+            self.running.append(req)
+
+    # ---- endings ----------------------------------------------------------------------------
+    def on_finish(self, req: Req) -> PageFate:
+        receiver: KVReceiver | None = req.extra.get(RECEIVER)
+        req.extra.pop(HOST_KV, None)
+        if req in self.prealloc:
+            self.prealloc.remove(req)
+        if req in self.retracted:
+            self.retracted.remove(req)
+        if req in self.transferring:
+            self.transferring.remove(req)
+        if receiver is not None and receiver.poll() not in (KVPoll.Success, KVPoll.Failed):
+            receiver.abort(req.finish_reason.message if req.finish_reason else "aborted")
+        if receiver is not None and not receiver.pages_releasable():
+            self.draining.append(req)  # late WRITEs may still land in these pages
+            return PageFate.KEEP
+        self._free_aux_slot(req)
+        return PageFate.FREE
+
+    def stats(self) -> dict[str, float]:
+        s = super().stats()
+        s.update(
+            {
+                "num_prealloc_queue_reqs": float(len(self.prealloc)),
+                "num_transfer_queue_reqs": float(len(self.transferring)),
+                "num_draining_reqs": float(len(self.draining)),
+                "num_retracted_reqs": float(len(self.retracted)),
+                "num_transfer_failures_total": float(self.num_transfer_failures),
+                "num_prebuilt_total": float(self.num_prebuilt),
+            }
+        )
+        if self.transfer is not None:
+            s.update({f"kv_transfer_{k}": float(v) for k, v in self.transfer.stats().items() if isinstance(v, (int, float))})
+        return s

@@ -1,0 +1,14 @@
+"""`python -m prefill_server --model-path ... --port ... --disaggregation-bootstrap-port ...`"""
+
+from __future__ import annotations
+
+
+def _main() -> None:
+    from common.server.launch import main
+    from prefill_server.engine import prefill_engine_main
+
+    main(engine_main=prefill_engine_main, disaggregation_mode="prefill")
+
+
+if __name__ == "__main__":
+    _main()

@@ -1,0 +1,158 @@
+"""Prefill role: compute prompts and push their KV pages to the decode instance.
+
+    request ─> bootstrap queue ──(decode reserved pages: WaitingForInput)──> waiting queue
+           ─> chunked prefill; after each chunk's forward its whole pages are sent;
+              radix-cache hits go out as soon as the request is scheduled
+           ─> last chunk: the rest (partial page included) + aux row (first token,
+              cached tokens, room) ─> inflight queue ─> Success: pages join the radix
+              cache, the client gets meta_info | Failed: pages freed, client gets the error
+
+The request never decodes here. Pages stay owned by the request (no cache_prefix)
+until its transfer ends, so no page a WRITE may still read is freed or swapped.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from common.scheduler.req import Req, ReqState
+from common.scheduler.schedule_batch import ScheduleBatch
+from common.scheduler.scheduler import PageFate, Scheduler
+from common.server.io_struct import FinishReason
+from kv_transfer import AuxRow, KVManager, KVPoll, KVSender
+
+logger = logging.getLogger(__name__)
+
+SENDER = "kv_sender"
+PAGES_SENT = "kv_pages_sent"
+
+
+class PrefillScheduler(Scheduler):
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.transfer: KVManager | None = None
+        self.bootstrap_queue: list[Req] = []
+        self.inflight: list[Req] = []
+        self.num_transfer_failures = 0
+
+    def attach_transfer(self, manager: KVManager) -> None:
+        self.transfer = manager
+
+    @property
+    def has_work(self) -> bool:
+        return self.has_runnable_work or bool(self.bootstrap_queue or self.inflight)
+
+    # ---- intake -----------------------------------------------------------------------------
+    def enqueue(self, req: Req) -> None:
+        assert self.transfer is not None, "prefill scheduler without a KV transfer manager"
+        room = req.extra["bootstrap_room"]
+        req.extra[SENDER] = self.transfer.create_sender(req.rid, room)
+        req.extra[PAGES_SENT] = 0
+        self.bootstrap_queue.append(req)
+
+    def poll_transfers(self) -> None:
+        """Each loop iteration: move ready requests on, fail broken ones."""
+        still: list[Req] = []
+        for req in list(self.bootstrap_queue):
+            sender = self._sender(req)
+            state = sender.poll()
+            if state == KVPoll.Failed:
+                self._fail(req, sender)
+            elif state >= KVPoll.WaitingForInput:
+                expected = self._num_pages(len(req.origin_input_ids))
+                if sender.num_dst_pages != expected:
+                    sender.abort(f"decode reserved {sender.num_dst_pages} pages, prefill needs {expected}")
+                    self._fail(req, sender)
+                else:
+                    self.waiting.append(req)
+            else:
+                still.append(req)
+        self.bootstrap_queue = [r for r in still if not r.finished]
+        for req in list(self.waiting) + ([self.chunked] if self.chunked else []):
+            sender = self._sender(req)
+            if sender.poll() == KVPoll.Failed:
+                self._fail(req, sender)
+        for req in list(self.inflight):
+            state = self._sender(req).poll()
+            if state == KVPoll.Success:
+                self._finish(req, FinishReason("length"))  # on_finish takes it out of inflight
+            elif state == KVPoll.Failed:
+                self._fail(req, self._sender(req))
+
+    # ---- sending ----------------------------------------------------------------------------
+    def _num_pages(self, tokens: int) -> int:
+        return -(-tokens // self.kv.page_size)
+
+    def _sender(self, req: Req) -> KVSender:
+        sender: KVSender = req.extra[SENDER]
+        return sender
+
+    def _send_pages(self, req: Req, upto_tokens: int, *, is_last: bool) -> None:
+        sender = self._sender(req)
+        if sender.poll() == KVPoll.Failed:
+            return
+        ps = self.kv.page_size
+        first = req.extra[PAGES_SENT]
+        last = self._num_pages(upto_tokens) if is_last else upto_tokens // ps
+        if last <= first and not is_last:
+            return
+        pages = [req.kv_slots[i * ps] // ps for i in range(first, last)]
+        aux = None
+        if is_last:
+            logprob = req.output_logprobs[0] if req.output_logprobs else None
+            aux = AuxRow(first_token=req.output_ids[0], cached_tokens=req.cached_tokens, logprob=logprob)
+        sender.send(pages, is_last=is_last, aux=aux)
+        req.extra[PAGES_SENT] = last
+
+    def _build(self, mode: Any, reqs: list[Req], lens: list[int], samples: list[bool]) -> ScheduleBatch:
+        # Radix-cache hits are already in the pool: send them before the suffix is computed.
+        for req in reqs:
+            if req.extra.get(PAGES_SENT) == 0 and req.tree_len > 0:
+                self._send_pages(req, req.tree_len, is_last=False)
+        return super()._build(mode, reqs, lens, samples)
+
+    def on_prompt_scheduled(self, req: Req) -> None:
+        req.state = ReqState.RUNNING  # computing its last chunk; never joins self.running
+
+    def on_chunk_computed(self, req: Req) -> None:
+        self._send_pages(req, req.kv_len, is_last=False)
+
+    def on_prompt_computed(self, req: Req) -> bool:
+        self._send_pages(req, len(req.origin_input_ids), is_last=True)
+        if self._sender(req).poll() == KVPoll.Failed:
+            self._fail(req, self._sender(req))
+        else:
+            self.inflight.append(req)
+        return True
+
+    # ---- endings ----------------------------------------------------------------------------
+    def _fail(self, req: Req, sender: KVSender) -> None:
+        self.num_transfer_failures += 1
+        reason = sender.failure_reason or "KV transfer failed"
+        cause = sender.failure_cause.value if sender.failure_cause else "kv_transfer_failed"
+        status = 504 if "timeout" in cause else 500
+        logger.warning("rid=%s room=%s transfer failed: %s", req.rid, sender.room, reason)
+        self._finish(req, FinishReason("abort", message=f"KV transfer failed: {reason}", status_code=status, err_type=cause))
+
+    def on_finish(self, req: Req) -> PageFate:
+        sender = req.extra.get(SENDER)
+        if sender is not None and sender.poll() not in (KVPoll.Success, KVPoll.Failed):
+            sender.abort(req.finish_reason.message if req.finish_reason else "aborted")
+        if req in self.bootstrap_queue:
+            self.bootstrap_queue.remove(req)
+        if req in self.inflight:
+            self.inflight.remove(req)
+        # Computed prompt pages are good KV even when the transfer failed; but a failed or
+        # aborted request may have stopped mid-chunk, so only successful ones are cached.
+        failed = req.finish_reason is not None and req.finish_reason.type == "abort"
+        return PageFate.FREE if failed else PageFate.CACHE
+
+    def stats(self) -> dict[str, float]:
+        s = super().stats()
+        s["num_bootstrap_queue_reqs"] = float(len(self.bootstrap_queue))
+        s["num_inflight_queue_reqs"] = float(len(self.inflight))
+        s["num_transfer_failures_total"] = float(self.num_transfer_failures)
+        if self.transfer is not None:
+            s.update({f"kv_transfer_{k}": float(v) for k, v in self.transfer.stats().items() if isinstance(v, (int, float))})
+        return s
