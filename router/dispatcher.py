@@ -7,7 +7,7 @@
         otherwise the error is final
       everything under one deadline (request_timeout) -> 504
     RequestRun.first() -> first event or ApiError (nothing was sent to the client yet)
-    RequestRun.__aiter__ -> the remaining events; a failure after the first event comes out
+    RequestRun.batches() -> the remaining events; a failure after the first event comes out
                             as an UpstreamError (the caller reports it in-band)
     RequestRun.cancel() -> client gone: cancels the producer, which closes both upstreams
 """
@@ -21,10 +21,9 @@ import secrets
 from collections.abc import AsyncIterator
 from typing import Any
 
-import httpx
-
 from router.config import RouterConfig
 from router.errors import ApiError, UpstreamError
+from router.http_client import HttpClient
 from router.metrics import RouterMetrics
 from router.plan import GenerationPlan
 from router.registry import WorkerRegistry
@@ -49,17 +48,28 @@ class RequestRun:
         assert isinstance(item, ApiError), f"bug: unexpected first item {item!r}"
         raise item
 
-    async def __aiter__(self) -> AsyncIterator[WorkerEvent]:
+    async def batches(self) -> AsyncIterator[list[WorkerEvent]]:
+        """The remaining events, grouped by what had already arrived (one client write per group)."""
+        queue = self.queue
         while True:
-            item = await self.queue.get()
-            if item is _END:
-                return
-            if isinstance(item, WorkerEvent):
-                yield item
-                continue
-            if isinstance(item, ApiError):
-                raise UpstreamError(item.status, item.message, type=item.type, worker_url=None)
-            raise item
+            batch: list[WorkerEvent] = []
+            item = await queue.get()
+            while True:
+                if item is _END:
+                    if batch:
+                        yield batch
+                    return
+                if not isinstance(item, WorkerEvent):
+                    if batch:
+                        yield batch
+                    if isinstance(item, ApiError):
+                        raise UpstreamError(item.status, item.message, type=item.type, worker_url=None)
+                    raise item
+                batch.append(item)
+                if queue.empty():
+                    break
+                item = queue.get_nowait()
+            yield batch
 
     def cancel(self) -> None:
         if self.task is not None and not self.task.done():
@@ -71,14 +81,11 @@ class Dispatcher:
         self.cfg = cfg
         self.registry = registry
         self.metrics = metrics
-        self.client: httpx.AsyncClient | None = None
+        self.client: HttpClient | None = None
         self.background: set[asyncio.Task[Any]] = set()
 
     def open(self) -> None:
-        limits = httpx.Limits(max_connections=self.cfg.max_connections,
-                              max_keepalive_connections=self.cfg.max_connections, keepalive_expiry=30.0)
-        timeout = httpx.Timeout(None, connect=self.cfg.connect_timeout, pool=self.cfg.connect_timeout)
-        self.client = httpx.AsyncClient(limits=limits, timeout=timeout, trust_env=False)
+        self.client = HttpClient(max_per_origin=self.cfg.max_connections, connect_timeout=self.cfg.connect_timeout)
 
     async def close(self) -> None:
         for t in list(self.background):

@@ -137,11 +137,14 @@ class GenerationHandler:
         try:
             yield b"data: " + first.raw + b"\n\n" if fmt is None else fmt.chunk(first.data)
             try:
-                async for ev in run:
+                async for batch in run.batches():
                     now = time.perf_counter()
                     itl.observe(now - last)
                     last = now
-                    out = b"data: " + ev.raw + b"\n\n" if fmt is None else fmt.chunk(ev.data)
+                    if fmt is None:
+                        out = b"".join([b"data: " + ev.raw + b"\n\n" for ev in batch])
+                    else:
+                        out = b"".join([fmt.chunk(ev.data) for ev in batch])
                     if out:
                         yield out
             except UpstreamError as e:

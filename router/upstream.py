@@ -20,10 +20,10 @@ import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
-import httpx
 import msgspec
 
 from router.errors import UpstreamError
+from router.http_client import ConnectFailed, HttpClient, HttpError, Response
 from router.plan import Bootstrap, GenerationPlan
 from router.worker import LoadGuard, Worker
 
@@ -58,15 +58,10 @@ class WorkerEvent(msgspec.Struct):
     data: dict[str, Any]
 
 
-def _connection_error(e: Exception, worker: Worker) -> UpstreamError:
-    if isinstance(e, httpx.TimeoutException):
-        return UpstreamError(504, f"{worker.url}: timed out ({type(e).__name__})", type="timeout",
-                             worker_url=worker.url)
-    if isinstance(e, httpx.ConnectError):
-        return UpstreamError(503, f"{worker.url}: cannot connect ({e})", type="worker_unreachable",
-                             worker_url=worker.url)
-    return UpstreamError(502, f"{worker.url}: connection lost ({type(e).__name__}: {e})",
-                         type="worker_connection_lost", worker_url=worker.url)
+def _connection_error(e: HttpError, worker: Worker) -> UpstreamError:
+    if isinstance(e, ConnectFailed):
+        return UpstreamError(503, f"{worker.url}: {e}", type="worker_unreachable", worker_url=worker.url)
+    return UpstreamError(502, f"{worker.url}: {e}", type="worker_connection_lost", worker_url=worker.url)
 
 
 def _check_event(data: Any, raw: bytes, worker: Worker) -> dict[str, Any]:
@@ -85,7 +80,7 @@ def _check_event(data: Any, raw: bytes, worker: Worker) -> dict[str, Any]:
 class Attempt:
     def __init__(
         self,
-        client: httpx.AsyncClient,
+        client: HttpClient,
         plan: GenerationPlan,
         rid: str,
         decode: Worker,
@@ -109,7 +104,7 @@ class Attempt:
         self.d_guard: LoadGuard = decode.acquire(n_prompt + plan.max_new_tokens)
         self.p_guard: LoadGuard | None = prefill.acquire(n_prompt) if prefill is not None else None
         self._p_task: asyncio.Task[None] | None = None
-        self._d_resp: httpx.Response | None = None
+        self._d_resp: Response | None = None
         self._first_task: asyncio.Future[WorkerEvent] | None = None
         self.prefill_error: UpstreamError | None = None
 
@@ -145,21 +140,24 @@ class Attempt:
         d = self.decode
         body = self.plan.worker_body(self.rid, self._boot, stream=self.plan.stream)
         try:
-            req = self.client.build_request("POST", d.url + "/generate", content=body, headers=self.headers)
-            resp = self._d_resp = await self.client.send(req, stream=True)
-            if resp.status_code != 200:
-                raise UpstreamError.from_body(resp.status_code, await resp.aread(), d.url)
+            resp = self._d_resp = await self.client.post(d.url, "/generate", body, self.headers)
+            if resp.status != 200:
+                raise UpstreamError.from_body(resp.status, await resp.read(), d.url)
             if not self.plan.stream:
-                raw = await resp.aread()
+                raw = await resp.read()
                 yield WorkerEvent(raw, _check_event(_decode(raw, d), raw, d))
                 return
             parser = SSEParser()
-            async for chunk in resp.aiter_raw():
+            done = False
+            async for chunk in resp.iter_body():
                 for raw in parser.feed(chunk):
                     if raw == DONE:
-                        return
-                    yield WorkerEvent(raw, _check_event(_decode(raw, d), raw, d))
-        except httpx.HTTPError as e:
+                        done = True  # read on to the end of the body: the connection goes back to the pool
+                    elif not done:
+                        yield WorkerEvent(raw, _check_event(_decode(raw, d), raw, d))
+            if done:
+                return
+        except HttpError as e:
             raise _connection_error(e, d) from None
         raise UpstreamError(502, f"{d.url}: stream ended without [DONE]", type="worker_connection_lost",
                             worker_url=d.url)
@@ -169,13 +167,18 @@ class Attempt:
         guard = self.p_guard
         assert guard is not None
         try:
+            resp = None
             try:
-                resp = await self.client.post(p.url + "/generate", content=body, headers=self.headers)
-            except httpx.HTTPError as e:
+                resp = await self.client.post(p.url, "/generate", body, self.headers)
+                raw = await resp.read()
+            except HttpError as e:
                 raise _connection_error(e, p) from None
-            if resp.status_code != 200:
-                raise UpstreamError.from_body(resp.status_code, resp.content, p.url)
-            _check_event(_decode(resp.content, p), resp.content, p)
+            finally:
+                if resp is not None:
+                    await resp.aclose()
+            if resp.status != 200:
+                raise UpstreamError.from_body(resp.status, raw, p.url)
+            _check_event(_decode(raw, p), raw, p)
         except UpstreamError as e:
             self.prefill_error = e
             guard.finish(False if e.worker_fault else None)
