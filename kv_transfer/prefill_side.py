@@ -292,6 +292,7 @@ class PrefillSide(Side):
         return any(r.outstanding or r.pending for r in self.rooms.values())
 
     def _progress(self, room: _Room, now: float) -> None:
+        self._pump(room)  # first, so a WRITE that completes at once finishes in this tick
         still = []
         for xfer in room.outstanding:
             try:
@@ -313,9 +314,7 @@ class PrefillSide(Side):
             for xfer in room.outstanding:
                 self.endpoint.release(xfer)
             self._finish(room, ok=False)
-        elif room.pending:
-            self._pump(room)
-        elif room.last_posted and not room.outstanding:
+        elif room.last_posted and not room.outstanding and not room.pending:
             self._finish(room, ok=True)
         elif room.peer is None and now - room.created > self.cfg.bootstrap_timeout_s:
             why = f"bootstrap timeout: decode sent no page ids within {self.cfg.bootstrap_timeout_s:.1f}s"

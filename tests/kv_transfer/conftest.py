@@ -59,7 +59,7 @@ def prefill() -> Iterator[Worker]:
 @pytest.fixture(scope="module")
 def decode() -> Iterator[DecodeSide]:
     spec = PoolSpec()
-    mgr, pool, aux = make_manager("decode", spec, None, drain_timeout_s=3.0)
+    mgr, pool, aux = make_manager("decode", spec, None, drain_timeout_s=3.0, transfer_timeout_s=3.0)
     try:
         yield DecodeSide(mgr, Driver(mgr), aux, AuxSlotAllocator(spec.aux_slots), PageAlloc(spec.num_pages), pool)
     finally:

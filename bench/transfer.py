@@ -1,0 +1,183 @@
+"""KV transfer bandwidth/latency through the real KVManager/KVSender/KVReceiver between two
+processes (UCX loopback), next to a plain in-process torch copy of the same bytes.
+
+    python bench/transfer.py [--quick] [--reps N]
+
+Layout: 1 layer, K and V buffers, 16 KiB pages (page_size 8 x 8 heads x 128 dim x bf16).
+A transfer of B bytes moves B/2 through K and B/2 through V, as (a) one contiguous page
+range on both sides (one descriptor per buffer) or (b) randomly scattered 16 KiB pages.
+Latency = decode's receiver.init() to poll() == Success (request message, prefill posts,
+WRITEs, status message, aux check). Last line: RESULT {json}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+from common.cache.kv_pool import KVPool  # noqa: E402
+from kv_transfer import AuxBuffer, AuxRow, KVManager, KVManagerArgs, KVPoll, TransferConfig  # noqa: E402
+
+PAGE_BYTES = 16 << 10
+MIB = 1 << 20
+
+
+def make(role: str, num_pages: int) -> tuple[KVManager, KVPool]:
+    pool = KVPool(num_layers=1, num_pages=num_pages, page_size=8, num_kv_heads=8, head_dim=128, dtype=torch.bfloat16)
+    for buf in (*pool.k_buffers, *pool.v_buffers):
+        buf.view(torch.uint8).view(-1).copy_(torch.randint(0, 256, (buf.numel() * 2,), dtype=torch.uint8))
+    assert pool.layout.page_bytes == PAGE_BYTES
+    cfg = TransferConfig(transfer_timeout_s=60, bootstrap_timeout_s=60)
+    args = KVManagerArgs(role=role, layout=pool.layout, k_buffers=pool.k_buffers, v_buffers=pool.v_buffers,  # type: ignore[arg-type]
+                         aux_buffer=AuxBuffer(8), config=cfg)
+    return KVManager(args), pool
+
+
+def wait(pred: Any, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not pred():
+        if time.monotonic() > deadline:
+            raise TimeoutError("bench transfer timed out")
+        time.sleep(0.00005)
+
+
+def prefill_main(conn: Any, num_pages: int) -> None:
+    mgr, _ = make("prefill", num_pages)
+    conn.send(mgr.bootstrap_port)
+    try:
+        while True:
+            msg = conn.recv()
+            if msg is None:
+                break
+            room, src = msg
+            sender = mgr.create_sender(f"b{room}", room)
+            conn.send("ready")
+            wait(lambda s=sender: s.poll() >= KVPoll.WaitingForInput)
+            sender.send(src, is_last=True, aux=AuxRow(first_token=1))
+            wait(lambda s=sender: s.poll() in (KVPoll.Success, KVPoll.Failed))
+            conn.send(sender.poll() == KVPoll.Success)
+        conn.send(mgr.stats())
+    finally:
+        mgr.shutdown()
+
+
+def memcpy_gbps(nbytes: int, reps: int) -> float:
+    """Plain torch copy of `nbytes`, each rep on a different (cold) slice of an arena of up to 1 GiB,
+    as a transfer touches pool pages that are not in the CPU cache."""
+    slots = max(3, min(reps + 2, (1024 * MIB) // nbytes))
+    src = torch.randint(0, 256, (slots, nbytes), dtype=torch.uint8)
+    dst = torch.ones_like(src)  # written once, so the timed copies take no page faults
+    times = [_timed(lambda i=i: dst[i].copy_(src[i])) for i in range(slots)]
+    return nbytes / min(times[1:]) / 1e9
+
+
+def torch_scatter_gbps(nbytes: int, pool_pages: int, reps: int, rng: np.random.Generator) -> float:
+    n = nbytes // PAGE_BYTES
+    pool_pages *= 2  # K and V
+    src = torch.randint(0, 256, (pool_pages, PAGE_BYTES), dtype=torch.uint8)
+    dst = torch.zeros_like(src)
+    si = torch.from_numpy(rng.choice(pool_pages, n, replace=False))
+    di = torch.from_numpy(rng.choice(pool_pages, n, replace=False))
+    dst.index_copy_(0, di, src.index_select(0, si))
+    best = min(_timed(lambda: dst.index_copy_(0, di, src.index_select(0, si))) for _ in range(reps + 1))
+    return nbytes / best / 1e9
+
+
+def _timed(fn: Any) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="1 and 16 MiB only, 2 reps")
+    ap.add_argument("--reps", type=int, default=5)
+    a = ap.parse_args()
+    sizes = [1, 16] if a.quick else [1, 16, 256]
+    reps = 2 if a.quick else a.reps
+    torch.set_num_threads(max(1, torch.get_num_threads()))
+    pages_needed = max(sizes) * MIB // 2 // PAGE_BYTES
+    num_pages = pages_needed * 3 // 2 + 2
+    ctx = mp.get_context("spawn")
+    conn, child = ctx.Pipe()
+    proc = ctx.Process(target=prefill_main, args=(child, num_pages), daemon=True)
+    proc.start()
+    mgr = None
+    results: dict[str, Any] = {"sizes_mib": sizes, "page_bytes": PAGE_BYTES, "reps": reps, "cases": []}
+    try:
+        if not conn.poll(120):
+            raise TimeoutError("prefill process did not start")
+        port = conn.recv()
+        mgr, _ = make("decode", num_pages)
+        rng = np.random.default_rng(0)
+        room = 1
+        for mib in sizes:
+            n = mib * MIB // 2 // PAGE_BYTES
+            mem = memcpy_gbps(mib * MIB, reps)
+            for kind in ("contiguous", "scattered"):
+                lat = []
+                for rep in range(reps + 1):  # first rep warms up (connection, page faults)
+                    if kind == "contiguous":
+                        src, dst = list(range(1, n + 1)), list(range(1, n + 1))
+                    else:
+                        src = (rng.choice(num_pages - 1, n, replace=False) + 1).tolist()
+                        dst = (rng.choice(num_pages - 1, n, replace=False) + 1).tolist()
+                    conn.send((room, src))
+                    assert conn.recv() == "ready"
+                    r = mgr.create_receiver(f"b{room}", room, "127.0.0.1", port)
+                    wait(lambda r=r: r.poll() >= KVPoll.WaitingForInput)
+                    t0 = time.perf_counter()
+                    r.init(dst, 0)
+                    wait(lambda r=r: r.poll() in (KVPoll.Success, KVPoll.Failed))
+                    dt = time.perf_counter() - t0
+                    assert r.poll() == KVPoll.Success, r.failure_reason
+                    assert conn.recv() is True
+                    room += 1
+                    if rep:
+                        lat.append(dt)
+                nbytes = 2 * n * PAGE_BYTES
+                best = min(lat)
+                case = {
+                    "mib": mib, "kind": kind, "gbps_best": nbytes / best / 1e9,
+                    "gbps_median": nbytes / statistics.median(lat) / 1e9,
+                    "latency_ms_best": best * 1e3, "latency_ms_median": statistics.median(lat) * 1e3,
+                    "memcpy_gbps": mem,
+                }
+                if kind == "scattered":
+                    case["torch_scatter_gbps"] = torch_scatter_gbps(nbytes, num_pages, reps, rng)
+                case["ratio_vs_memcpy"] = case["gbps_best"] / mem
+                results["cases"].append(case)
+                print(f"{mib:4d} MiB {kind:10s}: {case['gbps_best']:6.2f} GB/s best, {case['gbps_median']:6.2f} median, "
+                      f"{case['latency_ms_best']:8.2f} ms; torch copy {mem:6.2f} GB/s; ratio {case['ratio_vs_memcpy']:.2f}",
+                      flush=True)
+        conn.send(None)
+        assert conn.recv() is not None
+        results["decode_stats"] = mgr.stats()
+    finally:
+        if mgr is not None:
+            mgr.shutdown()
+        proc.join(10)
+        if proc.is_alive() and proc.pid is not None:
+            os.kill(proc.pid, 9)
+    for case in results["cases"]:
+        key = f"ratio_vs_memcpy_{case['mib']}mib_{case['kind']}"
+        results[key] = round(case["ratio_vs_memcpy"], 3)
+        results[f"gbps_{case['mib']}mib_{case['kind']}"] = round(case["gbps_best"], 3)
+    print("RESULT " + json.dumps(results))
+
+
+if __name__ == "__main__":
+    main()
