@@ -38,8 +38,13 @@ Decode engine
     receiver.pages_releasable()                     # free the pages only when True (after a
                                                     # failure: prefill's drain ack or drain timeout)
 
-Both: mgr.stats() (bytes, descriptors, transfers, failures by cause, gbps),
-mgr.metrics.registry (prometheus), mgr.check_integrity(), mgr.shutdown() (bounded).
+Both: mgr.stats() (bytes, descriptors, transfers, failures by cause, gbps, injected faults),
+mgr.metrics.registry (prometheus; pass KVManagerArgs.registry to share the engine's),
+mgr.check_integrity(), mgr.set_faults("fail_post=0.1,...") (tests / reliability suite),
+mgr.shutdown() (bounded; fails whatever is still live with cause "shutdown").
+KV buffers may live on CUDA (registered as VRAM); the aux buffer is always CPU DRAM.
+Rooms are 63-bit non-negative ints; a second live sender (or receiver, per prefill)
+with the same room fails at once with cause "duplicate_room".
 Poll states reduce across ranks with min_poll(). query_bootstrap(host, port) asks a
 prefill what it publishes (PrefillInfo). Timeouts and fault injection: TransferConfig.
 """
