@@ -9,7 +9,8 @@
    several client processes for --duration seconds; completed requests/s.
 
 Everything (router, stubs, clients) shares this machine's cores, so the figures
-are a lower bound for the router alone. Last line: RESULT {json}.
+are a lower bound for the router alone; router_cpu_ms_per_request (router process
+CPU time / requests in step 2) is the machine-independent cost. Last line: RESULT {json}.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import argparse
 import asyncio
 import json
 import multiprocessing as mp
+import os
 import statistics
 import sys
 import tempfile
@@ -116,6 +118,11 @@ def throughput(url: str, body: dict[str, Any], concurrency: int, duration: float
             "wall_s": elapsed}
 
 
+def cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--requests", type=int, default=400)
@@ -146,7 +153,11 @@ def main() -> None:
         direct = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": args.tokens}, "stream": True,
                   "bootstrap_host": "127.0.0.1", "bootstrap_port": p.port + 1, "bootstrap_room": 1}
         thr_direct = throughput(d.url + "/generate", direct, args.concurrency, args.duration, args.client_procs)
+        cpu0 = cpu_seconds(router.popen.pid)
         thr = throughput(router.url + "/v1/completions", body, args.concurrency, args.duration, args.client_procs)
+        router_cpu_ms = 1000 * (cpu_seconds(router.popen.pid) - cpu0) / max(thr["ok"], 1)
+        print(f"router CPU per streamed request: {router_cpu_ms:.2f} ms "
+              f"(one core could serve ~{1000 / router_cpu_ms:.0f} req/s if the router had it to itself)")
         print(f"direct to stub: {thr_direct['rps']:.0f} req/s   through router: {thr['rps']:.0f} req/s "
               f"(failed {thr['failed']})")
         result = {
@@ -156,6 +167,7 @@ def main() -> None:
             "max_streamed_rps": round(thr["rps"], 1),
             "direct_stub_streamed_rps": round(thr_direct["rps"], 1),
             "failed_requests": thr["failed"],
+            "router_cpu_ms_per_request": round(router_cpu_ms, 3),
             "tokens_per_request": args.tokens,
             "concurrency": args.concurrency,
         }

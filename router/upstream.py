@@ -107,6 +107,7 @@ class Attempt:
         self._d_resp: Response | None = None
         self._first_task: asyncio.Future[WorkerEvent] | None = None
         self.prefill_error: UpstreamError | None = None
+        self.decode_started = False
 
     @property
     def headers(self) -> dict[str, str]:
@@ -131,6 +132,7 @@ class Attempt:
         except StopAsyncIteration:
             raise UpstreamError(502, f"{self.decode.url}: empty response stream", type="bad_upstream_response",
                                 worker_url=self.decode.url) from None
+        self.decode_started = True
         yield first
         async for ev in d_events:
             yield ev
@@ -210,7 +212,7 @@ class Attempt:
         if cancel_prefill and not p_task.done():
             p_task.cancel()
         if p_task.done():
-            _consume(p_task)
+            self._prefill_drained(p_task)
         else:
             self._background.add(p_task)
             p_task.add_done_callback(self._prefill_drained)
@@ -218,7 +220,9 @@ class Attempt:
     def _prefill_drained(self, task: asyncio.Task[None]) -> None:
         self._background.discard(task)
         _consume(task)
-        if self.prefill_error is not None:
+        if self.p_guard is not None:
+            self.p_guard.finish(None)  # no-op unless the task was cancelled before it ever ran
+        if self.prefill_error is not None and self.decode_started:
             logger.warning("rid=%s prefill failed after decode started: %s", self.rid, self.prefill_error.message)
 
 
