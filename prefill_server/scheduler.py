@@ -115,8 +115,8 @@ class PrefillScheduler(Scheduler):
     def on_prompt_scheduled(self, req: Req) -> None:
         req.state = ReqState.RUNNING  # computing its last chunk; never joins self.running
 
-    def on_chunk_computed(self, req: Req) -> None:
-        self._send_pages(req, req.kv_len, is_last=False)
+    def on_chunk_computed(self, req: Req, computed_len: int) -> None:
+        self._send_pages(req, computed_len, is_last=False)
 
     def on_prompt_computed(self, req: Req) -> bool:
         self._send_pages(req, len(req.origin_input_ids), is_last=True)

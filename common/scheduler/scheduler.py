@@ -296,8 +296,9 @@ class Scheduler:
         req.state = ReqState.RUNNING
         self.running.append(req)
 
-    def on_chunk_computed(self, req: Req) -> None:
-        """A non-final prompt chunk of req has been computed (its KV is written)."""
+    def on_chunk_computed(self, req: Req, computed_len: int) -> None:
+        """A non-final prompt chunk of req has been computed: KV of tokens [0, computed_len)
+        is written (req.kv_len may already include the next chunk, scheduled meanwhile)."""
 
     def on_prompt_computed(self, req: Req) -> bool:
         """req's whole prompt is computed and its first token appended. Return True when the
@@ -326,7 +327,7 @@ class Scheduler:
             if req.finished:
                 continue
             if not samples:
-                self.on_chunk_computed(req)
+                self.on_chunk_computed(req, batch.worker_batch.seq_lens[i])
                 continue
             token = result.next_token_ids[i]
             req.output_ids.append(token)

@@ -1,0 +1,129 @@
+"""1 prefill + 1 decode instance, real processes, real NIXL, tiny model (fp32).
+
+The client plays the router: the same request and room go to both instances and
+the tokens are read from decode's stream. Greedy outputs must equal transformers'
+(and therefore the colocated instance's, which tests/engine and tests/server pin
+to transformers), token for token.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.engine.reference import hf_greedy
+from tests.pd.pd_procs import PDPair, start_pair
+
+VOCAB = 384
+
+
+def workload(n: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    shared = [rng.randrange(3, VOCAB) for _ in range(50)]
+    prompts = []
+    for i in range(n):
+        body = [rng.randrange(3, VOCAB) for _ in range(rng.choice([1, 4, 15, 33, 64, 120]))]
+        prompts.append(shared + body if i % 3 == 0 else body)
+    return prompts
+
+
+@pytest.fixture(scope="module", params=[16, 1], ids=["page16", "page1"])
+def pair(request: pytest.FixtureRequest, tiny_llama_path: str) -> Iterator[PDPair]:
+    ps = str(request.param)
+    p = start_pair(Path(tiny_llama_path),
+                   ["--page-size", ps, "--chunked-prefill-size", "32", "--max-total-tokens", "8192"],
+                   ["--page-size", ps, "--max-total-tokens", "8192"])
+    try:
+        yield p
+    finally:
+        p.stop()
+
+
+def test_pd_greedy_equals_transformers(pair: PDPair, tiny_llama_path: str) -> None:
+    prompts = workload(32, seed=3)
+    bodies = [pair.body(p, 10, stream=i % 4 != 0) for i, p in enumerate(prompts)]
+    results = pair.run(bodies)
+    for prompt, res in zip(prompts, results, strict=True):
+        assert res.error is None and res.prefill_status == 200 and res.decode_status == 200, res
+        assert res.output_ids == hf_greedy(tiny_llama_path, prompt, 10)
+        assert res.prefill_body["output_ids"] == [] and res.prefill_body["meta_info"]["prompt_tokens"] == len(prompt)
+    # Round two shares long prefixes with round one: prefill's radix cache serves them, and
+    # the cached-token count travels to decode in the aux row.
+    second = [p + [11, 12] for p in prompts[:6]]
+    results = pair.run([pair.body(p, 4) for p in second])
+    for prompt, res in zip(second, results, strict=True):
+        assert res.output_ids == hf_greedy(tiny_llama_path, prompt, 4)
+    assert sum(r.events[-1]["meta_info"]["cached_tokens"] for r in results) > 0
+    pair.wait_whole()
+
+
+def test_pd_finishes_on_first_token_and_reports_metrics(pair: PDPair, tiny_llama_path: str) -> None:
+    prompt = workload(1, seed=9)[0]
+    (res,) = pair.run([pair.body(prompt, 1)])
+    assert res.output_ids == hf_greedy(tiny_llama_path, prompt, 1)
+    assert res.events[-1]["meta_info"]["finish_reason"]["type"] == "length"
+    pair.wait_whole()
+    for name in ("num_bootstrap_queue_reqs", "num_inflight_queue_reqs", "kv_transfer_bytes",
+                 "kv_transfer_transfers", "num_retractions_total"):
+        assert pair.prefill.stat(name) is not None, name
+    for name in ("num_prealloc_queue_reqs", "num_transfer_queue_reqs", "kv_transfer_bytes",
+                 "num_retractions_total", "num_prebuilt_total"):
+        assert pair.decode.stat(name) is not None, name
+    assert (pair.prefill.stat("kv_transfer_bytes") or 0) > 0
+    assert (pair.decode.stat("num_prebuilt_total") or 0) > 0
+
+
+@pytest.fixture(scope="module")
+def small_decode(tiny_llama_path: str) -> Iterator[PDPair]:
+    """Decode pool of 256 tokens and an optimistic reservation: admission over-commits, so the
+    decode batch must retract; prefill's bootstrap queue holds what decode cannot take."""
+    p = start_pair(
+        Path(tiny_llama_path),
+        ["--page-size", "4", "--chunked-prefill-size", "32", "--max-total-tokens", "8192"],
+        ["--page-size", "4", "--max-total-tokens", "256", "--num-reserved-decode-tokens", "0",
+         "--schedule-conservativeness", "0.3"],
+    )
+    try:
+        yield p
+    finally:
+        p.stop()
+
+
+def test_pd_retraction_keeps_outputs_exact(small_decode: PDPair, tiny_llama_path: str) -> None:
+    rng = random.Random(4)
+    prompts = [[rng.randrange(3, VOCAB) for _ in range(30)] for _ in range(10)]
+    results = small_decode.run([small_decode.body(p, 50) for p in prompts])
+    for prompt, res in zip(prompts, results, strict=True):
+        assert res.error is None, res.error
+        assert res.output_ids == hf_greedy(tiny_llama_path, prompt, 50)
+    assert (small_decode.decode.stat("num_retractions_total") or 0) > 0
+    small_decode.wait_whole()
+
+
+def test_pd_bootstrap_queue_holds_while_decode_is_full(small_decode: PDPair, tiny_llama_path: str) -> None:
+    rng = random.Random(5)
+    prompts = [[rng.randrange(3, VOCAB) for _ in range(60)] for _ in range(8)]
+    seen: list[float] = []
+    stop = threading.Event()
+
+    def watch() -> None:
+        while not stop.is_set():
+            seen.append(small_decode.prefill.stat("num_bootstrap_queue_reqs") or 0)
+            time.sleep(0.05)
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    try:
+        results = small_decode.run([small_decode.body(p, 40) for p in prompts])
+    finally:
+        stop.set()
+        watcher.join()
+    for prompt, res in zip(prompts, results, strict=True):
+        assert res.output_ids == hf_greedy(tiny_llama_path, prompt, 40)
+    assert max(seen) > 0, "prefill never held a request back"
+    small_decode.wait_whole()
