@@ -19,7 +19,7 @@ from common.cache.kv_pool import KVPool
 from common.model.attention.base import AttentionBackend
 from common.model.config import ModelConfig
 from common.model.forward_batch import ForwardBatch
-from common.model.rope import RotaryEmbedding
+from common.model.rope import RopeTable, RotaryEmbedding
 
 
 class RMSNorm(nn.Module):
@@ -48,7 +48,7 @@ class LlamaAttention(nn.Module):
         self,
         x: torch.Tensor,
         batch: ForwardBatch,
-        rope: RotaryEmbedding,
+        rope: RopeTable,
         kv_pool: KVPool,
         backend: AttentionBackend,
     ) -> torch.Tensor:
@@ -59,7 +59,7 @@ class LlamaAttention(nn.Module):
         v = v.reshape(n, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rope(batch.positions, q, k)
+        q, k = rope.apply(q, k)
         _write_kv(kv_pool, self.layer_id, batch.out_cache_loc, k, v)
         return self.o_proj(backend.forward(q, k, v, self.layer_id, batch))
 
@@ -95,7 +95,7 @@ class LlamaDecoderLayer(nn.Module):
         self,
         x: torch.Tensor,
         batch: ForwardBatch,
-        rope: RotaryEmbedding,
+        rope: RopeTable,
         kv_pool: KVPool,
         backend: AttentionBackend,
     ) -> torch.Tensor:
@@ -135,8 +135,9 @@ class LlamaForCausalLM(nn.Module):
         """Final hidden states: of each request's last token [batch_size, hidden], or of every
         token [num_tokens, hidden] with all_tokens=True. Writes this step's K/V into kv_pool."""
         x = self.model.embed_tokens(batch.input_ids)
+        rope = self.rope.table(batch.positions)
         for layer in self.model.layers:
-            x = layer(x, batch, self.rope, kv_pool, backend)
+            x = layer(x, batch, rope, kv_pool, backend)
         if not all_tokens:
             last, ends = 0, []
             for n in batch.extend_lens_cpu:

@@ -12,6 +12,8 @@ numbers match the reference exactly.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from common.model.config import ModelConfig
@@ -28,16 +30,22 @@ class RotaryEmbedding:
         self.sin = freqs.sin() * factor
         self.context_length = config.context_length
 
-    def __call__(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """q: [T, Hq, D], k: [T, Hk, D], positions: [T] -> rotated q, k (same dtype)."""
-        cos = self.cos[positions].unsqueeze(1)
-        sin = self.sin[positions].unsqueeze(1)
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+    def table(self, positions: torch.Tensor) -> RopeTable:
+        """cos/sin of this step's tokens, looked up once per forward and shared by all layers."""
+        return RopeTable(self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1))
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.float().chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+class RopeTable(NamedTuple):
+    cos: torch.Tensor  # [T, 1, head_dim // 2] float32
+    sin: torch.Tensor
+
+    def apply(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """q: [T, Hq, D], k: [T, Hk, D] -> rotated q, k (same dtype)."""
+        return self._rotate(q), self._rotate(k)
+
+    def _rotate(self, x: torch.Tensor) -> torch.Tensor:
+        x1, x2 = x.float().chunk(2, dim=-1)
+        return torch.cat((x1 * self.cos - x2 * self.sin, x2 * self.cos + x1 * self.sin), dim=-1).to(x.dtype)
 
 
 def _inv_freq(config: ModelConfig, device: torch.device) -> tuple[torch.Tensor, float]:
