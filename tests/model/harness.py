@@ -16,6 +16,8 @@ import torch
 from common.model.config import ModelConfig
 from common.model.forward_batch import ForwardBatch, ForwardMode
 from common.model.model_runner import ModelRunner
+from common.model.sampler import Sampler, SamplingBatchInfo
+from common.sampling_params import SamplingParams
 
 
 @dataclass
@@ -97,6 +99,31 @@ class PagedHarness:
     def step_last(self, mode: ForwardMode, steps: list[tuple[str, list[int]]]) -> torch.Tensor:
         """Run one step through ModelRunner.forward: logits of each request's last token."""
         return self.runner.forward(self.batch(mode, steps))
+
+
+def greedy_batched(h: PagedHarness, prompts: list[list[int]], max_new: int) -> list[list[int]]:
+    """All prompts in one EXTEND batch, then max_new - 1 batched DECODE steps (greedy, via Sampler)."""
+    sampler = Sampler(h.runner.vocab_size, max_rows=8)
+    names = [f"r{i}" for i in range(len(prompts))]
+    greedy = SamplingParams(temperature=0.0)
+    logits = h.step_last(ForwardMode.EXTEND, list(zip(names, prompts, strict=True)))
+    row_ids = [h.seqs[n].row for n in names]
+    for r, p in zip(row_ids, prompts, strict=True):
+        sampler.reset_row(r, p)
+    info = SamplingBatchInfo.from_params([greedy] * len(names), row_ids, vocab_size=h.runner.vocab_size)
+    outs = [[t] for t in sampler.sample(logits, info).next_token_ids.tolist()]
+    for _ in range(max_new - 1):
+        logits = h.step_last(ForwardMode.DECODE, [(n, [o[-1]]) for n, o in zip(names, outs, strict=True)])
+        for o, t in zip(outs, sampler.sample(logits, info).next_token_ids.tolist(), strict=True):
+            o.append(t)
+    return outs
+
+
+def truncate_at_eos(ids: list[int], eos: tuple[int, ...]) -> list[int]:
+    for i, t in enumerate(ids):
+        if t in eos:
+            return ids[: i + 1]
+    return ids
 
 
 def hf_logits(model: torch.nn.Module, ids: list[int]) -> torch.Tensor:

@@ -14,8 +14,7 @@ from common.model import default_model
 from common.model.config import ModelConfig, ModelConfigError
 from common.model.default_model import ensure_default_model, resolve_model_path
 from common.model.forward_batch import ForwardMode
-from tests.model.harness import PagedHarness, hf_logits, load_hf
-from tests.model.test_generate import greedy_batched, truncate_at_eos
+from tests.model.harness import PagedHarness, greedy_batched, hf_logits, load_hf, truncate_at_eos
 
 QUESTIONS = [
     "What is the capital of France?",

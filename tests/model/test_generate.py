@@ -6,10 +6,7 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from common.model.forward_batch import ForwardMode
-from common.model.sampler import Sampler, SamplingBatchInfo
-from common.sampling_params import SamplingParams
-from tests.model.harness import PagedHarness, load_hf
+from tests.model.harness import PagedHarness, greedy_batched, load_hf, truncate_at_eos
 
 TEXTS = [
     "The quick brown fox",
@@ -17,30 +14,6 @@ TEXTS = [
     "Hello",
     "Prefill computes the prompt, decode generates one token at a time. KV cache pages move",
 ]
-
-
-def greedy_batched(h: PagedHarness, prompts: list[list[int]], max_new: int) -> list[list[int]]:
-    sampler = Sampler(h.runner.vocab_size, max_rows=8)
-    names = [f"r{i}" for i in range(len(prompts))]
-    greedy = SamplingParams(temperature=0.0)
-    logits = h.step_last(ForwardMode.EXTEND, list(zip(names, prompts, strict=True)))
-    row_ids = [h.seqs[n].row for n in names]
-    for r, p in zip(row_ids, prompts, strict=True):
-        sampler.reset_row(r, p)
-    info = SamplingBatchInfo.from_params([greedy] * len(names), row_ids, vocab_size=h.runner.vocab_size)
-    outs = [[t] for t in sampler.sample(logits, info).next_token_ids.tolist()]
-    for _ in range(max_new - 1):
-        logits = h.step_last(ForwardMode.DECODE, [(n, [o[-1]]) for n, o in zip(names, outs, strict=True)])
-        for o, t in zip(outs, sampler.sample(logits, info).next_token_ids.tolist(), strict=True):
-            o.append(t)
-    return outs
-
-
-def truncate_at_eos(ids: list[int], eos: tuple[int, ...]) -> list[int]:
-    for i, t in enumerate(ids):
-        if t in eos:
-            return ids[: i + 1]
-    return ids
 
 
 @pytest.mark.parametrize("page_size", [1, 16])
