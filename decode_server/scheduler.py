@@ -99,7 +99,9 @@ class DecodeScheduler(Scheduler):
                 still.extend(queue[i:])
                 break
             prompt = len(req.origin_input_ids)
-            need = -(-prompt // self.kv.page_size) * self.kv.page_size + self.reservation(req)
+            need = -(-prompt // self.kv.page_size) * self.kv.page_size
+            if self.running or self.transferring:  # reservations protect requests already in
+                need += self.reservation(req)
             if need > budget or self.kv.req_pool.num_free == 0 or self.aux_slots.num_free == 0:
                 still.extend(queue[i:])
                 break
@@ -227,7 +229,7 @@ class DecodeScheduler(Scheduler):
         if req in self.transferring:
             self.transferring.remove(req)
         if receiver is not None and receiver.poll() not in (KVPoll.Success, KVPoll.Failed):
-            receiver.abort(req.finish_reason.message if req.finish_reason else "aborted")
+            receiver.abort((req.finish_reason.message if req.finish_reason else None) or "aborted")
         if receiver is not None and not receiver.pages_releasable():
             self.draining.append(req)  # late WRITEs may still land in these pages
             return PageFate.KEEP

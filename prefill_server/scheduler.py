@@ -138,7 +138,7 @@ class PrefillScheduler(Scheduler):
     def on_finish(self, req: Req) -> PageFate:
         sender = req.extra.get(SENDER)
         if sender is not None and sender.poll() not in (KVPoll.Success, KVPoll.Failed):
-            sender.abort(req.finish_reason.message if req.finish_reason else "aborted")
+            sender.abort((req.finish_reason.message if req.finish_reason else None) or "aborted")
         if req in self.bootstrap_queue:
             self.bootstrap_queue.remove(req)
         if req in self.inflight:

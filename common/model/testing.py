@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 _CORPUS = [
     "The quick brown fox jumps over the lazy dog.",
@@ -86,6 +87,8 @@ def build_tiny_checkpoint(
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
     )
+    config: Any
+    model_cls: Any
     if arch == "llama":
         config = transformers.LlamaConfig(**common)
         model_cls = transformers.LlamaForCausalLM

@@ -53,6 +53,7 @@ class WorkerBatch:
     prefix_lens: list[int]
     sampling: list[SamplingRow]
     future_indices: list[int]  # where each request's sampled token is stored
+    samples: list[bool] = field(default_factory=list)  # False: a non-final prompt chunk, no token kept
     slot_writes: list[SlotWrite] = field(default_factory=list)
     step_id: int = 0
 

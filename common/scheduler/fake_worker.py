@@ -60,8 +60,8 @@ class FakeModelWorker:
         for tok, loc in zip(ids, batch.out_cache_loc, strict=True):
             self.kv[loc] = tok
         out = []
-        for row, seq_len in zip(batch.req_pool_indices, batch.seq_lens, strict=True):
-            seq = [self.kv[self.table[row][j]] for j in range(seq_len)]
+        for req_row, seq_len in zip(batch.req_pool_indices, batch.seq_lens, strict=True):
+            seq = [self.kv[self.table[req_row][j]] for j in range(seq_len)]
             assert all(t is not None for t in seq), "read a KV slot that was never written"
             out.append(next_token([t for t in seq if t is not None], self.vocab_size))
         for fi, tok in zip(batch.future_indices, out, strict=True):

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from common.cache import PageAllocator, RadixCache, ReqToTokenPool
+from common.cache import PageAllocator, RadixCache, ReqToTokenPool, TreeNode
 from common.scheduler.req import Req
 
 
@@ -63,11 +63,11 @@ class ReqKVManager:
         return self.allocator.num_free >= n
 
     # ---- admission ------------------------------------------------------------------------
-    def match_prefix(self, token_ids: list[int]) -> tuple[list[int], object]:
+    def match_prefix(self, token_ids: list[int]) -> tuple[list[int], TreeNode]:
         result = self.radix.match_prefix(token_ids)
         return list(result.slots), result.last_node
 
-    def attach_prefix(self, req: Req, slots: list[int], node: object) -> bool:
+    def attach_prefix(self, req: Req, slots: list[int], node: TreeNode) -> bool:
         """Give `req` a row and the matched (tree-owned) prefix; False when no row is free."""
         assert req.kv_len == 0 and req.tree_len == 0, f"attach_prefix on a request with KV: {req}"
         if req.req_pool_idx is None:
@@ -119,6 +119,7 @@ class ReqKVManager:
         matched_slots, node = list(match.slots), match.last_node
         assert len(matched_slots) == aligned, f"radix lost an insert: {len(matched_slots)} != {aligned}"
         if already > req.tree_len:
+            assert req.req_pool_idx is not None
             self.pending_writes.append(
                 SlotWrite(req.req_pool_idx, req.tree_len, list(matched_slots[req.tree_len : already]))
             )

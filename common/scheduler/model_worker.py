@@ -64,27 +64,40 @@ class TorchModelWorker:
             if s.reset_prompt is not None:
                 self.sampler.reset_row(s.row, s.reset_prompt, s.reset_outputs or [])
         logits = self.runner.forward(fb)
-        rows = batch.sampling
-        info = SamplingBatchInfo.from_params(
-            [s.params for s in rows],
-            [s.row for s in rows],
-            vocab_size=self.runner.vocab_size,
-            device=self.device,
-            return_logprob=any(s.return_logprob for s in rows),
-            top_logprobs_nums=[s.top_logprobs_num for s in rows],
-        )
-        out = self.sampler.sample(logits, info)
-        self.future_tokens[torch.tensor(batch.future_indices, device=self.device)] = out.next_token_ids
+        # Only requests whose token is kept are sampled: a non-final prompt chunk must not
+        # advance its row's seed step or penalty counts.
+        keep = [i for i, s in enumerate(batch.samples) if s] if batch.samples else list(range(len(batch.sampling)))
+        rows = [batch.sampling[i] for i in keep]
+        next_ids = torch.zeros(len(batch.sampling), dtype=torch.int64, device=self.device)
+        logprobs: list[float] | None = None
         top: list[list[tuple[int, float]]] | None = None
-        if out.top_logprobs is not None:
-            values, ids = out.top_logprobs.values.tolist(), out.top_logprobs.token_ids.tolist()
-            top = [
-                list(zip(ids[i][: s.top_logprobs_num], values[i][: s.top_logprobs_num], strict=True))
-                for i, s in enumerate(rows)
-            ]
+        if rows:
+            index = torch.tensor(keep, device=self.device)
+            info = SamplingBatchInfo.from_params(
+                [s.params for s in rows],
+                [s.row for s in rows],
+                vocab_size=self.runner.vocab_size,
+                device=self.device,
+                return_logprob=any(s.return_logprob for s in rows),
+                top_logprobs_nums=[s.top_logprobs_num for s in rows],
+            )
+            out = self.sampler.sample(logits[index], info)
+            next_ids[index] = out.next_token_ids
+            future = torch.tensor([batch.future_indices[i] for i in keep], device=self.device)
+            self.future_tokens[future] = out.next_token_ids
+            if out.logprobs is not None:
+                logprobs = [0.0] * len(batch.sampling)
+                for i, lp in zip(keep, out.logprobs.tolist(), strict=True):
+                    logprobs[i] = lp
+            if out.top_logprobs is not None:
+                values, ids = out.top_logprobs.values.tolist(), out.top_logprobs.token_ids.tolist()
+                top = [[] for _ in batch.sampling]
+                for j, (i, s) in enumerate(zip(keep, rows, strict=True)):
+                    n = s.top_logprobs_num
+                    top[i] = list(zip(ids[j][:n], values[j][:n], strict=True))
         return StepResult(
-            next_token_ids=out.next_token_ids.tolist(),
-            logprobs=out.logprobs.tolist() if out.logprobs is not None else None,
+            next_token_ids=next_ids.tolist(),
+            logprobs=logprobs,
             top_logprobs=top,
             forward_seconds=time.perf_counter() - start,
         )

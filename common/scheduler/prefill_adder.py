@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import enum
 
+from common.cache import TreeNode
 from common.scheduler.config import SchedulerConfig
 from common.scheduler.kv_manager import ReqKVManager
 from common.scheduler.req import Req
@@ -34,6 +35,7 @@ class PrefillAdder:
         self.ratio = new_token_ratio
         reserved = sum(self.reservation(r) for r in running)
         self.rem_total = kv.available_tokens() - reserved
+        self.nothing_running = not running
         self.rem_input = cfg.max_prefill_tokens
         self.rem_chunk = cfg.chunk_tokens
         self.max_new_reqs = max_new_reqs
@@ -61,13 +63,17 @@ class PrefillAdder:
         """Continue a request whose prompt is partly computed (it already holds its row)."""
         return self._add(req, extend=len(req.fill_ids) - req.kv_len)
 
-    def add_one(self, req: Req, prefix_slots: list[int], node: object) -> AddResult:
+    def add_one(self, req: Req, prefix_slots: list[int], node: TreeNode) -> AddResult:
         if len(self.can_run) >= self.max_new_reqs:
             return AddResult.OTHER
         if not self._budget_left():
             return AddResult.OTHER
         extend = len(req.fill_ids) - len(prefix_slots)
         estimate = extend + self.reservation(req)
+        # With nothing running, the reservation protects no one: admit whatever prompt fits
+        # (else a request whose budget exceeds the pool would wait forever).
+        if self.nothing_running and not self.can_run:
+            estimate = extend
         if estimate > self.rem_total:
             return AddResult.NO_TOKEN
         before = self.kv.radix.evictable_pages

@@ -86,6 +86,7 @@ class BatchBuilder:
             prefix_lens=prefix_lens,
             sampling=sampling,
             future_indices=future_indices,
+            samples=list(samples_token),
             slot_writes=slot_writes,
             step_id=step_id,
         )

@@ -116,3 +116,23 @@ def test_stop_strings_and_max_new_tokens_one(tiny_llama_path):
         engine.check_integrity()
     finally:
         engine.shutdown()
+
+
+def test_seeded_sampling_independent_of_chunking_and_batch(tiny_llama_path):
+    """A seeded request samples the same tokens whether its prompt is chunked or not and
+    whatever shares its batch (non-final chunks must not advance the seed or penalties)."""
+    path = str(tiny_llama_path)
+    prompt = list(range(5, 105))
+    params = {"max_new_tokens": 12, "temperature": 0.9, "top_p": 0.95, "seed": 1234,
+              "frequency_penalty": 0.5, "repetition_penalty": 1.2, "ignore_eos": True}
+    outs = []
+    for chunk in (-1, 32):
+        engine = Engine(path, dtype="float32", page_size=16, chunked_prefill_size=chunk, max_total_tokens=4096)
+        try:
+            others = [[7] * 30, [9] * 50] if chunk == 32 else []
+            res = engine.generate(input_ids=[prompt, *others], sampling_params=[params] + [{"max_new_tokens": 5}] * len(others))
+            outs.append(res[0]["output_ids"])
+            engine.check_integrity()
+        finally:
+            engine.shutdown()
+    assert outs[0] == outs[1]

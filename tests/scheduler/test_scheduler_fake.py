@@ -37,7 +37,7 @@ def test_prefix_cache_hits_second_round():
     wl2 = [(rid + "b", prompt + [5, 6, 7], n) for rid, prompt, n in wl]
     run_workload(h, wl2)
     cached = [h.final(rid).cached_tokens for rid, _, _ in wl2]
-    assert all(c >= len(p) // 4 * 4 - 4 for c, (_, p, _) in zip(cached, wl2)), cached
+    assert all(c >= len(p) // 4 * 4 - 4 for c, (_, p, _) in zip(cached, wl2, strict=True)), cached
 
 
 def test_eos_stops_and_threaded_overlap():
@@ -143,3 +143,16 @@ def test_deferred_frees_keep_outputs_and_pools(overlap):
     wl = [(f"r{i}", [30 + i] * (10 + 5 * i), 30) for i in range(10)]
     run_workload(h, wl)
     assert not h.scheduler.kv.deferred_pages
+
+
+def test_request_whose_budget_exceeds_the_pool_still_runs_alone():
+    """A request reserving more than the whole pool must not wait forever: alone it is admitted,
+    and if it outgrows the pool it ends with a clear error instead of hanging."""
+    h = make_harness(page_size=4, num_pages=20, chunked_prefill_size=16)  # 76 usable slots
+    h.scheduler.add_request(make_req("big", [9] * 30, 40))  # 30 + 40 fits, reservation would not
+    h.scheduler.add_request(make_req("huge", [8] * 30, 500))  # cannot fit: must error, not hang
+    h.scheduler.run_until_idle()
+    assert h.tokens("big") == reference_generate([9] * 30, 40, VOCAB)
+    final = h.final("huge")
+    assert final.finish_reason.type == "abort" and "KV memory" in final.finish_reason.message
+    h.check()
