@@ -105,12 +105,14 @@ class PrefillScheduler(Scheduler):
         sender.send(pages, is_last=is_last, aux=aux)
         req.extra[PAGES_SENT] = last
 
-    def _build(self, mode: Any, reqs: list[Req], lens: list[int], samples: list[bool]) -> ScheduleBatch:
+    def _build(
+        self, mode: Any, reqs: list[Req], lens: list[int], samples: list[bool], *, num_prefill_reqs: int = 0
+    ) -> ScheduleBatch:
         # Radix-cache hits are already in the pool: send them before the suffix is computed.
         for req in reqs:
             if req.extra.get(PAGES_SENT) == 0 and req.tree_len > 0:
                 self._send_pages(req, req.tree_len, is_last=False)
-        return super()._build(mode, reqs, lens, samples)
+        return super()._build(mode, reqs, lens, samples, num_prefill_reqs=num_prefill_reqs)
 
     def on_prompt_scheduled(self, req: Req) -> None:
         req.state = ReqState.RUNNING  # computing its last chunk; never joins self.running

@@ -16,6 +16,10 @@ class ScheduleBatch:
     reqs: list[Req]
     samples_token: list[bool]  # False for a non-final prefill chunk (its sampled token is discarded)
     worker_batch: WorkerBatch
+    num_prefill_reqs: int = 0  # reqs[:num_prefill_reqs] extend a prompt; the rest decode (MIXED)
+
+    def is_prompt(self, i: int) -> bool:
+        return i < self.num_prefill_reqs
 
     @property
     def is_extend(self) -> bool:
@@ -39,6 +43,7 @@ class BatchBuilder:
         future_indices: list[int],
         slot_writes: list[SlotWrite],
         step_id: int,
+        num_prefill_reqs: int = 0,
     ) -> ScheduleBatch:
         input_ids: list[int] = []
         positions: list[int] = []
@@ -90,4 +95,6 @@ class BatchBuilder:
             slot_writes=slot_writes,
             step_id=step_id,
         )
-        return ScheduleBatch(mode=mode, reqs=reqs, samples_token=samples_token, worker_batch=wb)
+        return ScheduleBatch(
+            mode=mode, reqs=reqs, samples_token=samples_token, worker_batch=wb, num_prefill_reqs=num_prefill_reqs
+        )

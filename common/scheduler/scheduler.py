@@ -222,7 +222,28 @@ class Scheduler:
             if req.retractions == 0 and req.kv_len - req.extend_len == req.tree_len:
                 self.num_cached_prompt_tokens += req.tree_len
         self.num_prefill_steps += 1
-        return self._build(ForwardMode.EXTEND, reqs, [r.extend_len for r in reqs], samples)
+        lens = [r.extend_len for r in reqs]
+        num_prefill = len(reqs)
+        mode = ForwardMode.EXTEND
+        if self.cfg.enable_mixed_chunk:
+            decoding = self._mixed_decode_reqs(set(reqs))
+            if decoding:
+                mode = ForwardMode.MIXED
+                reqs = reqs + decoding
+                lens += [1] * len(decoding)
+                samples += [True] * len(decoding)
+        return self._build(mode, reqs, lens, samples, num_prefill_reqs=num_prefill)
+
+    def _mixed_decode_reqs(self, exclude: set[Req]) -> list[Req]:
+        """--enable-mixed-chunk: running requests ride along the prefill chunk with one token
+        each, when their next slot is free without retracting anyone."""
+        reqs = [r for r in self._decodable() if r not in exclude and r.num_pending <= 1]
+        if not reqs or not self._decode_fits(reqs):
+            return []
+        for req in reqs:
+            slots = self.kv.alloc_tokens(req, 1)
+            assert slots is not None, "mixed decode allocation failed after check"
+        return reqs
 
     def _prefix_len(self, ids: list[int]) -> int:
         return len(self.kv.radix.match_prefix(ids).slots)
@@ -307,10 +328,14 @@ class Scheduler:
         self.kv.cache_prefix(req)
         return False
 
-    def _build(self, mode: ForwardMode, reqs: list[Req], lens: list[int], samples: list[bool]) -> ScheduleBatch:
+    def _build(
+        self, mode: ForwardMode, reqs: list[Req], lens: list[int], samples: list[bool], *, num_prefill_reqs: int = 0
+    ) -> ScheduleBatch:
         self.step_id += 1
         futures = self.futures.take(len(reqs))
-        return BatchBuilder.build(mode, reqs, lens, samples, futures, self.kv.take_pending_writes(), self.step_id)
+        return BatchBuilder.build(
+            mode, reqs, lens, samples, futures, self.kv.take_pending_writes(), self.step_id, num_prefill_reqs
+        )
 
     # ---- results ----------------------------------------------------------------------------
     def _process(self, inflight: InFlight) -> None:
@@ -335,7 +360,7 @@ class Scheduler:
                 req.output_logprobs.append(result.logprobs[i])
                 if result.top_logprobs is not None:
                     req.output_top_logprobs.append(result.top_logprobs[i])
-            if batch.is_extend and self.on_prompt_computed(req):
+            if batch.is_prompt(i) and self.on_prompt_computed(req):
                 continue
             reason = req.check_finished(token)
             if reason is not None:

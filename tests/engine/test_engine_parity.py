@@ -66,6 +66,17 @@ def test_other_layouts_parity(request, arch_fixture):
         engine.shutdown()
 
 
+def test_mixed_chunk_parity(tiny_llama_path):
+    """--enable-mixed-chunk: decode tokens ride along prefill chunks; outputs stay exact."""
+    path = str(tiny_llama_path)
+    engine = Engine(path, dtype="float32", page_size=4, chunked_prefill_size=16, max_total_tokens=8192,
+                    enable_mixed_chunk=True, schedule_policy="fcfs")
+    try:
+        check_parity(engine, path, workload(engine.vocab_size, 12, seed=8), 10)
+    finally:
+        engine.shutdown()
+
+
 def test_retraction_parity(tiny_llama_path):
     """A pool too small for the batch forces retractions; outputs stay exact."""
     path = str(tiny_llama_path)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from common.model.forward_batch import ForwardMode
 from common.scheduler.fake_worker import reference_generate
 from common.scheduler.new_token_ratio import NewTokenRatioTracker
 from common.scheduler.req import ReqState
@@ -28,6 +29,16 @@ def test_outputs_exact_all_policies(overlap, page_size, policy):
     h = make_harness(page_size=page_size, num_pages=4096 // page_size, overlap=overlap, schedule_policy=policy,
                      chunked_prefill_size=32, max_prefill_tokens=96)
     run_workload(h, mixed_workload(24, seed=page_size))
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_mixed_chunk_outputs_exact(overlap):
+    h = make_harness(page_size=4, num_pages=1024, overlap=overlap, chunked_prefill_size=16, enable_mixed_chunk=True)
+    modes = []
+    launch = h.scheduler._launch
+    h.scheduler._launch = lambda b: (modes.append(b.mode), launch(b))  # type: ignore[method-assign]
+    run_workload(h, mixed_workload(20, seed=9))
+    assert ForwardMode.MIXED in modes
 
 
 def test_prefix_cache_hits_second_round():
