@@ -10,8 +10,10 @@ Length policy (documented choice):
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import logging
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -26,6 +28,8 @@ from common.server.server_args import ServerArgs
 logger = logging.getLogger(__name__)
 
 MAX_RID_LEN = 256
+# RFC 1123 host names (underscores tolerated); anything else must parse as an IP address.
+_HOSTNAME = re.compile(r"(?=.{1,253}$)[A-Za-z0-9_]([A-Za-z0-9_-]{0,61}[A-Za-z0-9_])?(\.[A-Za-z0-9_]([A-Za-z0-9_-]{0,61}[A-Za-z0-9_])?)*\.?")
 _CONTEXT_KEYS = ("max_position_embeddings", "max_sequence_length", "seq_length", "n_positions")
 
 
@@ -141,8 +145,8 @@ class InputProcessor:
             raise bad_request("give all of bootstrap_host, bootstrap_port and bootstrap_room, or none")
         assert body.bootstrap_host is not None and body.bootstrap_port is not None
         assert body.bootstrap_room is not None
-        if not body.bootstrap_host:
-            raise bad_request("bootstrap_host is empty")
+        if not _valid_host(body.bootstrap_host):
+            raise bad_request(f"bootstrap_host must be a host name or an IP address, got {body.bootstrap_host[:100]!r}")
         if not 0 < body.bootstrap_port < 65536:
             raise bad_request(f"bootstrap_port must be 1..65535, got {body.bootstrap_port}")
         if not 0 <= body.bootstrap_room <= MAX_BOOTSTRAP_ROOM:
@@ -150,3 +154,12 @@ class InputProcessor:
         if not self._pd_mode:
             return None
         return BootstrapInfo(host=body.bootstrap_host, port=body.bootstrap_port, room=body.bootstrap_room)
+
+
+def _valid_host(host: str) -> bool:
+    """A host the KV transfer layer can connect to (a malformed one must never reach it)."""
+    try:
+        ipaddress.ip_address(host)
+        return True
+    except ValueError:
+        return _HOSTNAME.fullmatch(host) is not None
