@@ -14,6 +14,7 @@ until its transfer ends, so no page a WRITE may still read is freed or swapped.
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any
 
 from common.scheduler.req import Req, ReqState
@@ -35,6 +36,10 @@ class PrefillScheduler(Scheduler):
         self.bootstrap_queue: list[Req] = []
         self.inflight: list[Req] = []
         self.num_transfer_failures = 0
+        # Overlap of KV transfer with compute: for each successful request, the time from its
+        # first send to Success (total) and from its last chunk's compute to Success (exposed).
+        self.transfer_total_seconds = 0.0
+        self.transfer_exposed_seconds = 0.0
 
     def attach_transfer(self, manager: KVManager) -> None:
         self.transfer = manager
@@ -76,6 +81,9 @@ class PrefillScheduler(Scheduler):
         for req in list(self.inflight):
             state = self._sender(req).poll()
             if state == KVPoll.Success:
+                now = time.monotonic()
+                self.transfer_total_seconds += now - req.extra.get("t_first_send", now)
+                self.transfer_exposed_seconds += now - req.extra.get("t_prompt_done", now)
                 self._finish(req, FinishReason("length"))  # on_finish takes it out of inflight
             elif state == KVPoll.Failed:
                 self._fail(req, self._sender(req))
@@ -103,6 +111,7 @@ class PrefillScheduler(Scheduler):
             logprob = req.output_logprobs[0] if req.output_logprobs else None
             aux = AuxRow(first_token=req.output_ids[0], cached_tokens=req.cached_tokens, logprob=logprob)
         sender.send(pages, is_last=is_last, aux=aux)
+        req.extra.setdefault("t_first_send", time.monotonic())
         req.extra[PAGES_SENT] = last
 
     def _build(
@@ -121,6 +130,7 @@ class PrefillScheduler(Scheduler):
         self._send_pages(req, computed_len, is_last=False)
 
     def on_prompt_computed(self, req: Req) -> bool:
+        req.extra["t_prompt_done"] = time.monotonic()
         self._send_pages(req, len(req.origin_input_ids), is_last=True)
         if self._sender(req).poll() == KVPoll.Failed:
             self._fail(req, self._sender(req))
@@ -155,6 +165,8 @@ class PrefillScheduler(Scheduler):
         s["num_bootstrap_queue_reqs"] = float(len(self.bootstrap_queue))
         s["num_inflight_queue_reqs"] = float(len(self.inflight))
         s["num_transfer_failures_total"] = float(self.num_transfer_failures)
+        s["kv_transfer_total_seconds"] = self.transfer_total_seconds
+        s["kv_transfer_exposed_seconds"] = self.transfer_exposed_seconds
         if self.transfer is not None:
             s.update({f"kv_transfer_{k}": float(v) for k, v in self.transfer.stats().items() if isinstance(v, (int, float))})
         return s
