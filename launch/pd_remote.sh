@@ -29,16 +29,22 @@ role_words() {
             case ${ROLE_KIND[$j]} in
                 prefill) argv+=(--prefill "http://${ROLE_HOST[$j]}:${ROLE_PORT[$j]}" "${ROLE_BPORT[$j]}") ;;
                 decode) argv+=(--decode "http://${ROLE_HOST[$j]}:${ROLE_PORT[$j]}") ;;
+                colocated) argv+=(--worker "http://${ROLE_HOST[$j]}:${ROLE_PORT[$j]}") ;;
             esac
         done
         argv+=("${ROUTER_ARGS[@]}")
     else
-        argv+=("${kind}_server" --model-path "${HOST_MODEL[$host]}" --host "$host" --port "$port")
+        local module=${kind}_server
+        [[ $kind == colocated ]] && module=common.server
+        argv+=("$module" --model-path "${HOST_MODEL[$host]}" --host "$host" --port "$port")
         [[ $kind == prefill ]] && argv+=(--disaggregation-bootstrap-port "${ROLE_BPORT[$i]}")
         [[ -n $DTYPE ]] && argv+=(--dtype "$DTYPE")
         [[ -n $PAGE_SIZE ]] && argv+=(--page-size "$PAGE_SIZE")
         argv+=("${INSTANCE_ARGS[@]}")
-        if [[ $kind == prefill ]]; then argv+=("${PREFILL_ARGS[@]}"); else argv+=("${DECODE_ARGS[@]}"); fi
+        case $kind in
+            prefill) argv+=("${PREFILL_ARGS[@]}") ;;
+            decode) argv+=("${DECODE_ARGS[@]}") ;;
+        esac
     fi
     printf '%s\n' "${argv[@]}"
 }

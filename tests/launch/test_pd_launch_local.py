@@ -192,7 +192,9 @@ def test_bad_hosts_file_lines_are_named(tmp_path: Path) -> None:
         text=True,
         timeout=30,
     )
-    assert res.returncode == 2 and f"{hosts}:2: role must be router, prefill or decode" in res.stderr
+    assert (
+        res.returncode == 2 and f"{hosts}:2: role must be router, prefill, decode or colocated" in res.stderr
+    )
     hosts.write_text("prefill 10.9.0.2\n")
     res = subprocess.run(
         ["bash", str(PD_SH), "--hosts", str(hosts), "--dry-run"],
@@ -216,3 +218,19 @@ def test_help_documents_every_flag() -> None:
     assert flags, "no flags parsed from pd.sh"
     for flag in flags:
         assert flag in res.stdout, flag
+
+
+def test_colocated_mode_puts_instances_behind_the_router_as_workers(tmp_path: Path) -> None:
+    lines = dry_run(
+        "--colocated", "2", "--model-path", "/models/m", "--log-dir", str(tmp_path / "l")
+    ).splitlines()
+    cmds = dict(zip([line.split()[0] for line in lines[::2]], lines[1::2], strict=True))
+    assert set(cmds) == {"colocated-0", "colocated-1", "router"}
+    assert "-m common.server --model-path /models/m --host 127.0.0.1 --port 30101" in cmds["colocated-1"]
+    assert cmds["router"].endswith("--worker http://127.0.0.1:30100 --worker http://127.0.0.1:30101")
+    hosts = tmp_path / "hosts"
+    hosts.write_text("colocated 10.9.0.2\nprefill 10.9.0.3\ndecode 10.9.0.4\n")
+    res = subprocess.run(
+        ["bash", str(PD_SH), "--hosts", str(hosts), "--dry-run"], capture_output=True, text=True, timeout=30
+    )
+    assert res.returncode == 2 and "mixes colocated with prefill/decode" in res.stderr
