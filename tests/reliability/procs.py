@@ -1,0 +1,183 @@
+"""Real instances on fixed ports (kill -9, SIGSTOP/SIGCONT, restart on the same ports) and the
+pool checks every reliability scenario ends with.
+
+Instance owns one `python -m prefill_server|decode_server` process group at a time; every
+process it starts is reaped by `stop()` (the fixtures call it in a finally).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+from tests.server.server_procs import free_port, wait_until
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+START_TIMEOUT_S = 120.0
+
+# Gauges that must read 0 on an idle instance, per role.
+IDLE_ZERO = {
+    "common": ("kv_pages_in_use", "num_running_reqs", "num_waiting_reqs", "num_chunked_reqs",
+               "frontend_in_flight_requests"),
+    "prefill": ("num_bootstrap_queue_reqs", "num_inflight_queue_reqs"),
+    "decode": ("num_prealloc_queue_reqs", "num_transfer_queue_reqs", "num_draining_reqs", "num_retracted_reqs"),
+}
+
+
+class Instance:
+    """One PD instance; `role` is "prefill" or "decode". Ports are chosen once and kept across restarts."""
+
+    def __init__(self, name: str, role: str, model_dir: Path, flags: list[str]) -> None:
+        self.name = name
+        self.role = role
+        self.model_dir = model_dir
+        self.flags = flags
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.bootstrap_port = free_port() if role == "prefill" else None
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.restarts = 0
+        self._log = tempfile.NamedTemporaryFile(prefix=f"rel_{name}_", suffix=".log", delete=False)
+
+    # ---- lifecycle ------------------------------------------------------------------------------
+    def spawn(self) -> None:
+        """Start the process group (does not wait); the previous one must be gone."""
+        assert self.proc is None or self.proc.poll() is not None, f"{self.name} is still running"
+        argv = [sys.executable, "-m", f"{self.role}_server", "--model-path", str(self.model_dir),
+                "--port", str(self.port), "--device", "cpu", "--dtype", "float32",
+                "--log-level", os.environ.get("PDSERVE_TEST_LOG_LEVEL", "warning"), *self.flags]
+        if self.bootstrap_port is not None:
+            argv += ["--disaggregation-bootstrap-port", str(self.bootstrap_port)]
+        self._log.write(f"\n==== start #{self.restarts} ====\n".encode())
+        self._log.flush()
+        self.proc = subprocess.Popen(argv, cwd=REPO_ROOT, env={**os.environ, "PYTHONPATH": str(REPO_ROOT)},
+                                     stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
+
+    def wait_healthy(self, timeout_s: float = START_TIMEOUT_S) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            assert self.proc is not None
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.name} exited with {self.proc.returncode}:\n{self.log()}")
+            if self.healthy():
+                return
+            time.sleep(0.2)
+        raise TimeoutError(f"{self.name} not healthy within {timeout_s}s:\n{self.log()}")
+
+    def restart(self) -> None:
+        """Spawn again on the same ports (after kill9); returns at once, see wait_healthy."""
+        self.restarts += 1
+        self.spawn()
+
+    @property
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def _signal(self, sig: signal.Signals) -> None:
+        assert self.proc is not None
+        try:
+            os.killpg(self.proc.pid, sig)
+        except ProcessLookupError:
+            pass
+
+    def kill9(self) -> None:
+        """kill -9 the whole instance (frontend and engine)."""
+        if self.proc is None:
+            return
+        self._signal(signal.SIGKILL)
+        self.proc.wait(10)
+
+    def sigstop(self) -> None:
+        self._signal(signal.SIGSTOP)
+
+    def sigcont(self) -> None:
+        self._signal(signal.SIGCONT)
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            self._signal(signal.SIGCONT)
+            if self.proc.poll() is None:
+                self.proc.send_signal(signal.SIGTERM)
+                try:
+                    self.proc.wait(15)
+                except subprocess.TimeoutExpired:
+                    pass
+            self.kill9()  # leftovers of the group, if any
+        self._log.close()
+        Path(self._log.name).unlink(missing_ok=True)
+
+    def log(self, tail: int = 3000) -> str:
+        self._log.flush()
+        return Path(self._log.name).read_text(errors="replace")[-tail:]
+
+    # ---- observation ----------------------------------------------------------------------------
+    def healthy(self) -> bool:
+        try:
+            return httpx.get(self.url + "/health", timeout=5.0).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def stats(self) -> dict[str, float]:
+        """Every unlabeled pdserve_* sample of /metrics, from a fresh engine answer (retried)."""
+        for _ in range(20):
+            text = httpx.get(self.url + "/metrics", timeout=10.0).text
+            out: dict[str, float] = {}
+            for line in text.splitlines():
+                if line.startswith("pdserve_") and "{" not in line:
+                    key, value = line.split()
+                    out[key.removeprefix("pdserve_")] = float(value)
+            if out.get("engine_up") == 1.0:
+                return out
+            time.sleep(0.1)
+        raise AssertionError(f"{self.name}: engine did not answer a stats probe")
+
+    def busy_gauges(self, *, allow_draining: bool = False) -> dict[str, float]:
+        """The idle-zero gauges that are not zero (empty dict: the instance is whole at idle).
+        allow_draining: pages held by failed transfers awaiting their drain do not count."""
+        s = self.stats()
+        names = IDLE_ZERO["common"] + IDLE_ZERO[self.role]
+        if allow_draining and s.get("num_draining_reqs", 0) > 0:
+            names = tuple(n for n in names if n not in ("num_draining_reqs", "kv_pages_in_use"))
+        bad = {n: s.get(n, -1.0) for n in names if s.get(n, -1.0) != 0.0}
+        pages = s.get("kv_pages_free", 0) + s.get("kv_pages_cached", 0) + s.get("kv_pages_in_use", 0)
+        if pages != s.get("kv_pages_total"):
+            bad["kv_pages_free+cached+in_use-total"] = pages - s.get("kv_pages_total", 0)
+        return bad
+
+
+def wait_whole(instances: list[Instance], timeout_s: float = 20.0, *, allow_draining: bool = False) -> None:
+    """Every live instance idle with every pool whole; fails naming the gauges that are not."""
+    live = [i for i in instances if i.alive]
+    last: dict[str, dict[str, float]] = {}
+
+    def whole() -> bool:
+        last.clear()
+        for inst in live:
+            bad = inst.busy_gauges(allow_draining=allow_draining)
+            if bad:
+                last[inst.name] = bad
+        return not last
+
+    if not wait_until(whole, timeout_s, period_s=0.25):
+        logs = "\n".join(f"--- {i.name}:\n{i.log(1500)}" for i in live if i.name in last)
+        raise AssertionError(f"pools not whole after {timeout_s}s: {last}\n{logs}")
+
+
+def spawn_all(instances: list[Instance]) -> None:
+    """Start several instances at once (start-up dominates) and wait for all; stops them on failure."""
+    try:
+        for inst in instances:
+            inst.spawn()
+        for inst in instances:
+            inst.wait_healthy()
+    except BaseException:
+        for inst in instances:
+            inst.stop()
+        raise

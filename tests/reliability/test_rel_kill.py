@@ -1,0 +1,143 @@
+"""kill -9 a prefill or a decode instance while requests sit in each state.
+
+Each case holds requests in one state on the victim (checked on its /metrics), kills the
+victim's whole process group, and then checks:
+- every affected client gets an error within the heartbeat bound (no hang);
+- every unaffected request (other instances, or already past the victim) completes with
+  transformers' greedy tokens;
+- the router marks the victim down and keeps serving, then marks it up again and routes
+  to it once the victim is restarted on the same ports;
+- every pool on every instance is whole at idle (decode holds the pages of a transfer a
+  dead prefill may still have been writing until the drain timeout).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import pytest
+
+from tests.reliability.client import Batch, Job
+from tests.reliability.cluster import HEARTBEAT_BOUND_S, Cluster
+from tests.reliability.procs import Instance
+from tests.reliability.scenario import (
+    StatePred,
+    assert_correct,
+    assert_failed_within,
+    hold,
+    prompts,
+    router_recovers,
+    router_routes_around,
+)
+
+
+@dataclass(frozen=True)
+class Case:
+    victim: str
+    state: StatePred
+    affected: Callable[[Cluster], list[Job]]
+    unaffected: Callable[[Cluster], list[Job]]
+    # (instance, predicate) that must hold before the affected requests are sent
+    before: Callable[[Cluster], tuple[Instance, StatePred]] | None = None
+    prefill_verdict: bool = False  # the prefill side must fail by itself (client does not cancel it)
+    drains: str | None = None  # the decode that holds the affected pages until the drain timeout
+
+
+def _jobs(p: Instance, d: Instance, n: int, length: int, max_new: int, seed: int, *,
+          cancel_prefill: bool = True) -> list[Job]:
+    return [Job(p, d, pr, max_new, cancel_prefill) for pr in prompts(n, length, seed)]
+
+
+PREFILL_CASES = {
+    # d_small is full of requests prefilled elsewhere: the victim's requests wait in its
+    # bootstrap queue (decode sent no page ids yet); the blockers must finish.
+    "bootstrapping": Case(
+        "p_fast",
+        state=lambda s: s["num_bootstrap_queue_reqs"] >= 3,
+        affected=lambda c: _jobs(c.p_fast, c.d_small, 3, 40, 8, seed=1),
+        unaffected=lambda c: _jobs(c.p_slow, c.d_small, 8, 20, 200, seed=2),
+        before=lambda c: (c.d_small, lambda s: s["num_running_reqs"] >= 4),
+    ),
+    # long prompts, 16-token prefill steps: the victim is still computing when it dies.
+    "computing": Case(
+        "p_fast",
+        state=lambda s: s["num_chunked_reqs"] >= 1,
+        affected=lambda c: _jobs(c.p_fast, c.d_big, 6, 900, 4, seed=3),
+        unaffected=lambda c: _jobs(c.p_slow, c.d_big, 3, 100, 16, seed=4),
+        drains="d_big",
+    ),
+    # every KV post is delayed 40 ms: computed prompts wait in the inflight queue.
+    "transferring": Case(
+        "p_slow",
+        state=lambda s: s["num_inflight_queue_reqs"] >= 2,
+        affected=lambda c: _jobs(c.p_slow, c.d_big, 6, 160, 4, seed=5),
+        unaffected=lambda c: _jobs(c.p_fast, c.d_big, 3, 64, 16, seed=6),
+        drains="d_big",
+    ),
+}
+
+DECODE_CASES = {
+    "prealloc": Case(
+        "d_small",
+        state=lambda s: s["num_prealloc_queue_reqs"] >= 2,
+        affected=lambda c: _jobs(c.p_fast, c.d_small, 10, 30, 200, seed=11),
+        unaffected=lambda c: _jobs(c.p_fast, c.d_big, 3, 32, 16, seed=12),
+    ),
+    # prefill must notice on its own (heartbeat / NIXL error) and free its pages; the same
+    # prefill keeps serving another decode.
+    "transferring": Case(
+        "d_small",
+        state=lambda s: s["num_transfer_queue_reqs"] >= 1,
+        affected=lambda c: _jobs(c.p_slow, c.d_small, 3, 120, 4, seed=13, cancel_prefill=False),
+        unaffected=lambda c: _jobs(c.p_slow, c.d_big, 3, 64, 8, seed=14),
+        prefill_verdict=True,
+    ),
+    "decoding": Case(
+        "d_big",
+        state=lambda s: s["num_running_reqs"] >= 4,
+        affected=lambda c: _jobs(c.p_fast, c.d_big, 4, 20, 900, seed=15),
+        unaffected=lambda c: _jobs(c.p_fast, c.d_small, 3, 20, 16, seed=16),
+    ),
+    "retracted": Case(
+        "d_small",
+        state=lambda s: s["num_retracted_reqs"] >= 1,
+        affected=lambda c: _jobs(c.p_fast, c.d_small, 8, 30, 300, seed=17),
+        unaffected=lambda c: _jobs(c.p_fast, c.d_big, 3, 20, 16, seed=18),
+    ),
+}
+
+
+def _run(c: Cluster, case: Case, model: str, state_name: str) -> None:
+    victim: Instance = getattr(c, case.victim)
+    unaffected = Batch(case.unaffected(c))
+    if case.before is not None:
+        inst, pred = case.before(c)
+        hold(inst, pred, "the precondition")
+    affected = Batch(case.affected(c))
+    hold(victim, case.state, state_name)
+    t_kill = time.monotonic()
+    victim.kill9()
+    hit = affected.wait()
+    assert_failed_within(hit, t_kill, HEARTBEAT_BOUND_S, side="decode")
+    if case.prefill_verdict:
+        assert_failed_within(hit, t_kill, HEARTBEAT_BOUND_S, side="prefill")
+    if case.drains is not None:
+        held = getattr(c, case.drains).stats()
+        assert held["num_draining_reqs"] >= 1 and held["kv_pages_in_use"] > 0, "pages a dead prefill wrote were freed"
+    victim.restart()  # boots while the survivors are checked
+    assert_correct(model, unaffected.wait(), sample=2)
+    router_routes_around(c, victim, model)
+    router_recovers(c, victim, model)
+    c.wait_whole_but_drains(drain_from=t_kill)
+
+
+@pytest.mark.parametrize("state", list(PREFILL_CASES))
+def test_kill_prefill(whole_cluster: Cluster, tiny_llama_path: str, state: str) -> None:
+    _run(whole_cluster, PREFILL_CASES[state], tiny_llama_path, state)
+
+
+@pytest.mark.parametrize("state", list(DECODE_CASES))
+def test_kill_decode(whole_cluster: Cluster, tiny_llama_path: str, state: str) -> None:
+    _run(whole_cluster, DECODE_CASES[state], tiny_llama_path, state)

@@ -1,0 +1,97 @@
+"""1,000 requests at concurrency 64 through a router over the fast prefill and both decodes
+(the small decode must retract): all complete, and every greedy output equals the one the
+same prompt got when run alone (a sequential run of each distinct prompt through the same
+router; greedy outputs of shorter requests are prefixes of it), which in turn equals
+transformers for a sample."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.engine.reference import hf_greedy
+from tests.reliability.cluster import VOCAB, Cluster, Router
+from tests.server.server_procs import wait_until
+
+N_REQUESTS = 1000
+CONCURRENCY = 64
+N_PROMPTS = 100
+MAX_NEW = 12
+
+
+@pytest.fixture(scope="module")
+def load_router(cluster: Cluster) -> Iterator[Router]:
+    r = Router(cluster.model_dir, [cluster.p_fast], [cluster.d_small, cluster.d_big],
+               "--decode-policy", "round_robin")
+    try:
+        r.wait_ready()
+        yield r
+    finally:
+        r.stop()
+
+
+def distinct_prompts(seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    shared = [rng.randrange(3, VOCAB) for _ in range(40)]
+    out = []
+    for i in range(N_PROMPTS):
+        body = [rng.randrange(3, VOCAB) for _ in range(rng.choice([1, 3, 8, 20, 45, 80, 120, 250]))]
+        out.append(shared + body if i % 3 == 0 else body)
+    return out
+
+
+def _body(prompt: list[int], max_new: int, stream: bool) -> dict[str, Any]:
+    return {"input_ids": prompt, "stream": stream,
+            "sampling_params": {"max_new_tokens": max_new, "temperature": 0, "ignore_eos": True}}
+
+
+async def _generate(client: httpx.AsyncClient, url: str, body: dict[str, Any]) -> list[int]:
+    if not body["stream"]:
+        r = await client.post(url + "/generate", json=body)
+        assert r.status_code == 200, r.text
+        return list(r.json()["output_ids"])
+    tokens: list[int] = []
+    async with client.stream("POST", url + "/generate", json=body) as r:
+        assert r.status_code == 200, await r.aread()
+        async for line in r.aiter_lines():
+            if line.startswith("data: {"):
+                ev = json.loads(line[6:])
+                assert "error" not in ev, ev
+                tokens += ev["output_ids"]
+    return tokens
+
+
+async def _run(url: str, bodies: list[dict[str, Any]], concurrency: int) -> list[list[int]]:
+    sem = asyncio.Semaphore(concurrency)
+
+    async def one(client: httpx.AsyncClient, body: dict[str, Any]) -> list[int]:
+        async with sem:
+            return await _generate(client, url, body)
+
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    async with httpx.AsyncClient(timeout=120.0, limits=limits) as client:
+        return await asyncio.gather(*(one(client, b) for b in bodies))
+
+
+def test_load_outputs_equal_sequential(whole_cluster: Cluster, load_router: Router, tiny_llama_path: str) -> None:
+    c = whole_cluster
+    prompts = distinct_prompts(seed=91)
+    alone = asyncio.run(_run(load_router.url, [_body(p, MAX_NEW, False) for p in prompts], concurrency=1))
+    for prompt, out in list(zip(prompts, alone, strict=True))[:: N_PROMPTS // 10]:
+        assert out == hf_greedy(tiny_llama_path, prompt, MAX_NEW)
+    rng = random.Random(92)
+    picks = [(rng.randrange(N_PROMPTS), rng.randint(1, MAX_NEW)) for _ in range(N_REQUESTS)]
+    retractions = c.d_small.stats()["num_retractions_total"]
+    bodies = [_body(prompts[i], n, stream=k % 4 == 0) for k, (i, n) in enumerate(picks)]
+    outs = asyncio.run(_run(load_router.url, bodies, CONCURRENCY))
+    wrong = [(k, i, n) for k, ((i, n), out) in enumerate(zip(picks, outs, strict=True)) if out != alone[i][:n]]
+    assert not wrong, f"{len(wrong)} outputs differ from the sequential run, e.g. {wrong[:5]}"
+    assert c.d_small.stats()["num_retractions_total"] > retractions, "the small decode never retracted"
+    c.wait_whole()
+    assert wait_until(load_router.idle, 10.0), load_router.workers()
