@@ -14,7 +14,7 @@ from common.model import default_model
 from common.model.config import ModelConfig, ModelConfigError
 from common.model.default_model import ensure_default_model, resolve_model_path
 from common.model.forward_batch import ForwardMode
-from tests.model.harness import PagedHarness, greedy_batched, hf_logits, load_hf, truncate_at_eos
+from tests.model.harness import PagedHarness, hf_logits, load_hf, truncate_at_eos
 
 QUESTIONS = [
     "What is the capital of France?",
@@ -77,8 +77,15 @@ def test_default_model_greedy_matches_transformers(default_model_path: str) -> N
     tok = AutoTokenizer.from_pretrained(default_model_path)
     prompts = [chat_ids(tok, q) for q in QUESTIONS]
     max_new = 32
-    h = PagedHarness(default_model_path, page_size=16, max_reqs=4, max_context=128)
-    ours = greedy_batched(h, prompts, max_new)
+    from common.engine import Engine  # the full offline path: scheduler, paged KV, sampler
+
+    engine = Engine(default_model_path, dtype="float32", page_size=16, chunked_prefill_size=16, max_total_tokens=4096)
+    try:
+        outs = engine.generate(input_ids=prompts, sampling_params={"max_new_tokens": max_new, "temperature": 0})
+        engine.check_integrity()
+    finally:
+        engine.shutdown()
+    ours = [o["output_ids"] for o in outs]
     assert "Paris" in tok.decode(ours[0])
     tok.padding_side = "left"  # one batched reference call (left padding leaves greedy tokens unchanged)
     enc = tok.pad({"input_ids": prompts}, return_tensors="pt")
