@@ -159,3 +159,58 @@ class Batch:
 
 def run_jobs(jobs: list[Job], timeout_s: float = 90.0) -> list[Outcome]:
     return Batch(jobs, timeout_s).wait()
+
+
+@dataclass
+class RouterOutcome:
+    prompt: list[int]
+    max_new: int
+    status: int = 0
+    output_ids: list[int] = field(default_factory=list)
+    error: str | None = None
+    done_at: float | None = None
+
+
+async def router_stream(client: httpx.AsyncClient, url: str, prompt: list[int], max_new: int) -> RouterOutcome:
+    """One streaming native /generate through the router; errors (HTTP or in-band) are recorded."""
+    out = RouterOutcome(prompt, max_new)
+    body = {"input_ids": prompt, "stream": True,
+            "sampling_params": {"max_new_tokens": max_new, "temperature": 0, "ignore_eos": True}}
+    try:
+        async with client.stream("POST", url + "/generate", json=body) as r:
+            out.status = r.status_code
+            if r.status_code != 200:
+                await r.aread()
+                out.error = r.text
+                return out
+            async for line in r.aiter_lines():
+                if line.startswith("data: {"):
+                    ev = json.loads(line[6:])
+                    if "error" in ev:
+                        out.error = json.dumps(ev["error"])
+                    out.output_ids += ev.get("output_ids", [])
+    except httpx.HTTPError as e:
+        out.error = f"{type(e).__name__}: {e}"
+    finally:
+        out.done_at = time.monotonic()
+    return out
+
+
+class RouterBatch:
+    """Streaming requests through the router, concurrently, in a background thread."""
+
+    def __init__(self, url: str, requests: list[tuple[list[int], int]], timeout_s: float = 90.0) -> None:
+        self.timeout_s = timeout_s
+        self.outcomes: list[RouterOutcome] = []
+
+        async def main() -> list[RouterOutcome]:
+            async with httpx.AsyncClient(timeout=timeout_s) as client:
+                return await asyncio.gather(*(router_stream(client, url, p, n) for p, n in requests))
+
+        self._thread = threading.Thread(target=lambda: self.outcomes.extend(asyncio.run(main())), daemon=True)
+        self._thread.start()
+
+    def wait(self) -> list[RouterOutcome]:
+        self._thread.join(self.timeout_s + 30)
+        assert not self._thread.is_alive(), "router batch hung past its timeout"
+        return self.outcomes

@@ -20,6 +20,7 @@ from typing import Any
 
 import httpx
 
+from tests.reliability.client import Job, run_jobs
 from tests.reliability.procs import Instance, spawn_all, wait_whole
 from tests.router.router_procs import RouterProc
 from tests.server.server_procs import wait_until
@@ -120,13 +121,24 @@ class Cluster:
 
     def revive(self) -> None:
         """Restart whatever is dead (a scenario that failed half-way leaves the next one a whole cluster)."""
-        dead = [i for i in self.instances if not i.alive]
+        dead = [i for i in self.instances if not (i.alive and i.healthy())]
         for inst in dead:
+            inst.kill9()  # an engine that died leaves its frontend answering 503
             inst.restart()
         for inst in dead:
             inst.wait_healthy()
         for inst in dead:
             self.router.wait_worker(inst, healthy=True, timeout_s=20)
+        if dead:
+            self.warm_up()
+
+    def warm_up(self) -> None:
+        """One request per (prefill, decode) pair, so every decode has registered with every
+        prefill: a scenario then starts with heartbeats flowing on every link (a prefill that
+        dies during the first handshake is only noticed at the 10 s handshake timeout)."""
+        jobs = [Job(p, d, [5, 6, 7, 8, 9], 1) for p in (self.p_slow, self.p_fast) for d in (self.d_small, self.d_big)]
+        for o in run_jobs(jobs, timeout_s=30.0):
+            assert o.ok, f"warm-up request failed: {o}"
 
     def stop(self) -> None:
         self.router.stop()
@@ -147,6 +159,7 @@ def start_cluster(model_dir: Path) -> Cluster:
     cluster = Cluster(model_dir, router=router, **insts)
     try:
         router.wait_ready()
+        cluster.warm_up()
     except BaseException:
         cluster.stop()
         raise

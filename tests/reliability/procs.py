@@ -111,7 +111,8 @@ class Instance:
                     pass
             self.kill9()  # leftovers of the group, if any
         self._log.close()
-        Path(self._log.name).unlink(missing_ok=True)
+        if not os.environ.get("PDSERVE_REL_KEEP_LOGS"):
+            Path(self._log.name).unlink(missing_ok=True)
 
     def log(self, tail: int = 3000) -> str:
         self._log.flush()

@@ -64,7 +64,7 @@ def check_router_serves(cluster: Cluster, model: str, n: int, seed: int = 99) ->
     with httpx.Client(timeout=60.0) as client:
         for prompt in prompts(n, 12, seed):
             r = cluster.router.generate(client, prompt, 6)
-            assert r.status_code == 200, r.text
+            assert r.status_code == 200, f"{r.text}\nworkers: {cluster.router.workers()}"
             assert r.json()["output_ids"] == hf_greedy(model, prompt, 6)
 
 

@@ -19,7 +19,8 @@ from dataclasses import dataclass
 
 import pytest
 
-from tests.reliability.client import Batch, Job
+from tests.engine.reference import hf_greedy
+from tests.reliability.client import Batch, Job, RouterBatch, RouterOutcome
 from tests.reliability.cluster import HEARTBEAT_BOUND_S, Cluster
 from tests.reliability.procs import Instance
 from tests.reliability.scenario import (
@@ -43,6 +44,10 @@ class Case:
     before: Callable[[Cluster], tuple[Instance, StatePred]] | None = None
     prefill_verdict: bool = False  # the prefill side must fail by itself (client does not cancel it)
     drains: str | None = None  # the decode that holds the affected pages until the drain timeout
+    # streaming requests through the router during the kill: "retried" = every one completes
+    # exactly (the failure came before any byte reached the client, so the router re-picked);
+    # "cut" = each completes exactly or ends with an in-band error within the bound
+    router: tuple[str, int, int, int] | None = None  # (expectation, n, prompt length, max_new)
 
 
 def _jobs(p: Instance, d: Instance, n: int, length: int, max_new: int, seed: int, *,
@@ -71,10 +76,11 @@ PREFILL_CASES = {
     # every KV post is delayed 40 ms: computed prompts wait in the inflight queue.
     "transferring": Case(
         "p_slow",
-        state=lambda s: s["num_inflight_queue_reqs"] >= 2,
+        state=lambda s: s["num_inflight_queue_reqs"] >= 6,  # some of them routed, most of them affected
         affected=lambda c: _jobs(c.p_slow, c.d_big, 6, 160, 4, seed=5),
         unaffected=lambda c: _jobs(c.p_fast, c.d_big, 3, 64, 16, seed=6),
         drains="d_big",
+        router=("retried", 4, 160, 8),
     ),
 }
 
@@ -99,6 +105,7 @@ DECODE_CASES = {
         state=lambda s: s["num_running_reqs"] >= 4,
         affected=lambda c: _jobs(c.p_fast, c.d_big, 4, 20, 900, seed=15),
         unaffected=lambda c: _jobs(c.p_fast, c.d_small, 3, 20, 16, seed=16),
+        router=("cut", 4, 20, 400),
     ),
     "retracted": Case(
         "d_small",
@@ -116,6 +123,10 @@ def _run(c: Cluster, case: Case, model: str, state_name: str) -> None:
         inst, pred = case.before(c)
         hold(inst, pred, "the precondition")
     affected = Batch(case.affected(c))
+    routed = None
+    if case.router is not None:
+        _, n, length, max_new = case.router
+        routed = RouterBatch(c.router.url, [(p, max_new) for p in prompts(n, length, seed=31)])
     hold(victim, case.state, state_name)
     t_kill = time.monotonic()
     victim.kill9()
@@ -126,11 +137,27 @@ def _run(c: Cluster, case: Case, model: str, state_name: str) -> None:
     if case.drains is not None:
         held = getattr(c, case.drains).stats()
         assert held["num_draining_reqs"] >= 1 and held["kv_pages_in_use"] > 0, "pages a dead prefill wrote were freed"
+    if routed is not None:
+        _check_routed(case, routed.wait(), t_kill, model)
     victim.restart()  # boots while the survivors are checked
     assert_correct(model, unaffected.wait(), sample=2)
     router_routes_around(c, victim, model)
     router_recovers(c, victim, model)
     c.wait_whole_but_drains(drain_from=t_kill)
+
+
+def _check_routed(case: Case, outcomes: list[RouterOutcome], t_kill: float, model: str) -> None:
+    assert case.router is not None
+    cut = 0
+    for o in outcomes:
+        if o.error is None:
+            assert o.output_ids == hf_greedy(model, o.prompt, o.max_new)
+            continue
+        assert case.router[0] == "cut", f"the router did not retry a failure before the first byte: {o.error}"
+        assert o.status == 200 and o.done_at is not None and o.done_at - t_kill <= HEARTBEAT_BOUND_S, o
+        cut += 1
+    if case.router[0] == "cut":
+        assert cut >= 1, "no routed request was on the killed decode"
 
 
 @pytest.mark.parametrize("state", list(PREFILL_CASES))
