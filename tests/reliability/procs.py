@@ -2,7 +2,9 @@
 pool checks every reliability scenario ends with.
 
 Instance owns one `python -m prefill_server|decode_server` process group at a time; every
-process it starts is reaped by `stop()` (the fixtures call it in a finally).
+process it starts is reaped by `stop()` (the fixtures call it in a finally). Logs go to a
+temp file per instance, removed at stop unless PDSERVE_REL_KEEP_LOGS is set; the log level
+comes from PDSERVE_TEST_LOG_LEVEL (default warning).
 """
 
 from __future__ import annotations

@@ -4,7 +4,6 @@ outcomes against transformers, and the router's view of a dead / revived worker.
 from __future__ import annotations
 
 import random
-import time
 from collections.abc import Callable
 
 import httpx
@@ -75,7 +74,3 @@ def router_recovers(cluster: Cluster, victim: Instance, model: str) -> None:
     before = cluster.router.workers()[victim.url]["total_requests"]
     check_router_serves(cluster, model, 4, seed=7)
     assert cluster.router.workers()[victim.url]["total_requests"] > before, "router never routed to the revived worker"
-
-
-def elapsed(since: float) -> float:
-    return time.monotonic() - since
