@@ -14,6 +14,7 @@ import os
 import queue
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import zmq
@@ -195,8 +196,8 @@ class KVManager:
                 self._drain_commands()
                 for sock in events:
                     if isinstance(sock, zmq.Socket):
-                        self.side.on_readable(sock)
-                busy = self.side.tick(time.monotonic())
+                        self._guarded(self.side.on_readable, sock)
+                busy = bool(self._guarded(self.side.tick, time.monotonic()))
         except Exception:
             log.exception("kv_transfer thread crashed")
             raise
@@ -206,13 +207,33 @@ class KVManager:
             if self.side.sock is not None:
                 self.side.sock.close(linger=0)
 
+    def _guarded(self, fn: Callable[..., object], arg: object) -> object:
+        """Run one unit of the thread's work; a bug in it is logged, not fatal to the thread."""
+        try:
+            return fn(arg)
+        except Exception:
+            log.exception("kv_transfer: %s raised", getattr(fn, "__name__", fn))
+            return False
+
     def _drain_commands(self) -> None:
         while True:
             try:
                 cmd = self._cmds.get_nowait()
             except queue.Empty:
                 return
-            if isinstance(cmd, _Create):
-                self.side.create(cmd.handle)
-            else:
-                self.side.command(cmd)
+            try:
+                if isinstance(cmd, _Create):
+                    self.side.create(cmd.handle)
+                else:
+                    self.side.command(cmd)
+            except Exception as e:  # one bad request must not take the thread (and every room) down
+                log.exception("kv_transfer: %s failed", type(cmd).__name__)
+                self._fail_command(cmd, f"kv_transfer could not process {type(cmd).__name__}: {e}")
+
+    def _fail_command(self, cmd: object, reason: str) -> None:
+        handle = getattr(cmd, "handle", None) or getattr(cmd, "sender", None) or getattr(cmd, "receiver", None)
+        if handle is None:
+            return
+        self.side.fail(handle.cell, FailureCause.BAD_REQUEST, reason)
+        if isinstance(handle, KVReceiver) and not handle.request_sent:
+            handle.drained = True  # prefill never heard of this room: nothing can land in its pages

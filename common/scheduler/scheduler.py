@@ -264,6 +264,8 @@ class Scheduler:
             if not self._decode_fits(reqs):
                 self.retract(reqs)
                 reqs = self._decodable()
+                if not reqs:  # the last request could not fit and was failed
+                    return None
         for req in reqs:
             slots = self.kv.alloc_tokens(req, 1)
             assert slots is not None, "decode allocation failed after check_decode_mem"

@@ -13,8 +13,6 @@ import subprocess
 import sys
 import textwrap
 
-import pytest
-
 from tests.reliability.procs import REPO_ROOT
 
 SCENARIO = textwrap.dedent("""
@@ -40,9 +38,6 @@ SCENARIO = textwrap.dedent("""
 """)
 
 
-@pytest.mark.xfail(strict=True, reason="kv_transfer: an exception in the manager thread (zmq connect to "
-                   "'not a host' in DecodeSide._peer) kills the thread: live receivers never reach a terminal "
-                   "state, later ones fail with 'kv_transfer thread is not running', shutdown() hangs")
 def test_bad_peer_address_fails_only_its_receiver() -> None:
     try:
         out = subprocess.run([sys.executable, "-c", SCENARIO], cwd=REPO_ROOT, capture_output=True, text=True,

@@ -4,16 +4,11 @@ KV memory" error. The client must get that error and the decode instance must li
 
 from __future__ import annotations
 
-import pytest
-
 from tests.reliability.client import Job, run_jobs
 from tests.reliability.cluster import Cluster
 from tests.reliability.scenario import prompts
 
 
-@pytest.mark.xfail(strict=True, reason="common/scheduler/scheduler.py _get_decode_batch: after retract() aborts "
-                   "the last request (out of KV memory) it still builds a DECODE batch with no requests; "
-                   "model_worker._forward_batch then fails on min([]) and the decode engine process dies")
 def test_request_larger_than_the_decode_pool_fails_alone(whole_cluster: Cluster) -> None:
     c = whole_cluster
     # d_small holds 640 tokens; admission reserves only ~0.2 x max_new, so 300 + 700 gets in
