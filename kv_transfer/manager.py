@@ -194,6 +194,7 @@ class KVManager:
                     with contextlib.suppress(BlockingIOError):
                         os.read(self._wake_r, 4096)
                 self._drain_commands()
+                self._guarded(self.side.check_peers, time.monotonic())
                 for sock in events:
                     if isinstance(sock, zmq.Socket):
                         self._guarded(self.side.on_readable, sock)

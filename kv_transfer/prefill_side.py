@@ -274,13 +274,19 @@ class PrefillSide(Side):
                 self._room_failed(room, cause, reason)
 
     # ---- periodic work ------------------------------------------------------------------
+    def check_peers(self, now: float) -> None:
+        """Drop decode peers silent past the heartbeat timeout. Runs before this thread reads
+        queued messages and before it posts: after a long stall (SIGSTOP, starvation) a peer
+        that may have given up and reused the pages gets no late WRITE."""
+        for peer in list(self.peers.values()):
+            if now - peer.last_seen > self.cfg.heartbeat_timeout_s:
+                self._drop_peer(peer, FailureCause.PEER_LOST, f"decode {peer.reg.agent_name} silent for {now - peer.last_seen:.1f}s")
+
     def tick(self, now: float) -> bool:
+        self.check_peers(now)
         for room in list(self.rooms.values()):
             self._progress(room, now)
         cfg = self.cfg
-        for peer in list(self.peers.values()):
-            if now - peer.last_seen > cfg.heartbeat_timeout_s:
-                self._drop_peer(peer, FailureCause.PEER_LOST, f"decode {peer.reg.agent_name} silent for {now - peer.last_seen:.1f}s")
         for rid, (req, identity, t0) in list(self.early.items()):
             if now - t0 > cfg.bootstrap_timeout_s:
                 del self.early[rid]

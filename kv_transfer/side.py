@@ -98,6 +98,9 @@ class Side:
     def command(self, cmd: object) -> None:
         raise NotImplementedError
 
+    def check_peers(self, now: float) -> None:
+        """Liveness checks that must run before queued messages are read (see PrefillSide)."""
+
     def tick(self, now: float) -> bool:
         """Periodic work; True while something is in flight (the loop then polls fast)."""
         raise NotImplementedError

@@ -26,6 +26,8 @@ def transfer_config(args: ServerArgs) -> TransferConfig:
         transfer_timeout_s=args.disaggregation_transfer_timeout,
         heartbeat_interval_s=args.disaggregation_heartbeat_interval,
         heartbeat_timeout_s=args.disaggregation_heartbeat_timeout,
+        handshake_timeout_s=args.disaggregation_handshake_timeout,
+        drain_timeout_s=args.disaggregation_drain_timeout,
         faults=args.disaggregation_fault_spec or "",
     )
 

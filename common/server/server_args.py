@@ -63,6 +63,8 @@ class ServerArgs:
     disaggregation_transfer_timeout: float = 300.0
     disaggregation_heartbeat_interval: float = 5.0
     disaggregation_heartbeat_timeout: float = 15.0
+    disaggregation_handshake_timeout: float = 10.0
+    disaggregation_drain_timeout: float = 30.0
     disaggregation_fault_spec: str | None = None
     # Process lifecycle
     log_level: str = "info"
@@ -101,6 +103,8 @@ class ServerArgs:
             "disaggregation_transfer_timeout",
             "disaggregation_heartbeat_interval",
             "disaggregation_heartbeat_timeout",
+            "disaggregation_handshake_timeout",
+            "disaggregation_drain_timeout",
             "watchdog_timeout",
             "kv_cache_gb",
             "schedule_conservativeness",
@@ -208,6 +212,8 @@ _HELP: dict[str, str] = {
     "disaggregation_transfer_timeout": "seconds decode waits for a KV transfer",
     "disaggregation_heartbeat_interval": "seconds between decode -> prefill heartbeats",
     "disaggregation_heartbeat_timeout": "seconds without a heartbeat answer before a peer is dead",
+    "disaggregation_handshake_timeout": "decode: seconds a prefill may take to answer the first handshake",
+    "disaggregation_drain_timeout": "decode: seconds an aborted transfer's pages stay held waiting for prefill's drain ack",
     "disaggregation_fault_spec": "test-only fault injection spec",
     "log_level": "logging level of both processes",
     "watchdog_timeout": "seconds a forward step may take before the engine is declared hung",
