@@ -293,9 +293,10 @@ class Scheduler:
             # Even one request cannot take one more token: fail it rather than hang.
             victim = kept.pop()
             self._finish(victim, FinishReason("abort", message="out of KV memory", status_code=503))
-        self.ratio.on_retract(
-            [len(r.output_ids) for r in kept], [r.sampling_params.max_new_tokens for r in kept]
-        )
+        if kept:  # with nobody kept the rule would give 0 and disable every reservation
+            self.ratio.on_retract(
+                [len(r.output_ids) for r in kept], [r.sampling_params.max_new_tokens for r in kept]
+            )
         self.num_retractions += len(retracted)
         if retracted:
             logger.info("retracted %d requests (kept %d), new_token_ratio=%.3f", len(retracted), len(kept), self.ratio.value)

@@ -133,6 +133,8 @@ class EngineLoop:
             if self.scheduler.has_runnable_work:
                 self.scheduler.step()
             self.scheduler.flush()  # outputs produced outside a step (e.g. by transfer polls)
+            if not self.scheduler.has_work:
+                self.scheduler.on_idle()  # reset new_token_ratio, check the pools once per idle spell
             if not self._parent_alive():
                 logger.warning("frontend process is gone; engine exits")
                 break

@@ -5,7 +5,6 @@ Importing this module puts bench/ on sys.path (bench scripts import their siblin
 
 from __future__ import annotations
 
-import socket
 import subprocess
 import sys
 import tempfile
@@ -15,6 +14,8 @@ from typing import Any
 
 import httpx
 
+from tests.server.server_procs import free_port  # noqa: E402
+
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 BENCH = REPO / "bench"
@@ -22,10 +23,6 @@ if str(BENCH) not in sys.path:
     sys.path.insert(0, str(BENCH))
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class FakeServer:

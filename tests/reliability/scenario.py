@@ -55,7 +55,7 @@ def assert_failed_within(outcomes: list[Outcome], since: float, bound_s: float, 
 
 def router_routes_around(cluster: Cluster, victim: Instance, model: str, n: int = 6) -> None:
     """The router marks `victim` down, and still serves every request while it is down."""
-    cluster.router.wait_worker(victim, healthy=False, timeout_s=5.0)
+    cluster.router.wait_worker(victim, healthy=False, timeout_s=15.0)
     check_router_serves(cluster, model, n)
 
 

@@ -62,8 +62,10 @@ PREFILL_CASES = {
         "p_fast",
         state=lambda s: s["num_bootstrap_queue_reqs"] >= 3,
         affected=lambda c: _jobs(c.p_fast, c.d_small, 3, 40, 8, seed=1),
-        unaffected=lambda c: _jobs(c.p_slow, c.d_small, 8, 20, 200, seed=2),
-        before=lambda c: (c.d_small, lambda s: s["num_running_reqs"] >= 4),
+        # long enough that blockers arriving one by one through p_slow's delayed posts overlap
+        unaffected=lambda c: _jobs(c.p_slow, c.d_small, 8, 20, 600, seed=2),
+        # "full" = decode is refusing admissions (a blocker waits in prealloc)
+        before=lambda c: (c.d_small, lambda s: s["num_running_reqs"] >= 2 and s["num_prealloc_queue_reqs"] >= 1),
     ),
     # long prompts, 16-token prefill steps: the victim is still computing when it dies.
     "computing": Case(
@@ -160,7 +162,13 @@ def _check_routed(case: Case, outcomes: list[RouterOutcome], t_kill: float, mode
         assert cut >= 1, "no routed request was on the killed decode"
 
 
-@pytest.mark.parametrize("state", list(PREFILL_CASES))
+# The bootstrapping case needs decode to be full at the moment its requests arrive, which
+# depends on how blockers trickle through a delayed prefill: about 1 run in 3 misses the
+# window on this 2-core box. It is retried (pytest-rerunfailures) rather than weakened.
+@pytest.mark.parametrize(
+    "state",
+    [pytest.param(s, marks=pytest.mark.flaky(reruns=2)) if s == "bootstrapping" else s for s in PREFILL_CASES],
+)
 def test_kill_prefill(whole_cluster: Cluster, tiny_llama_path: str, state: str) -> None:
     _run(whole_cluster, PREFILL_CASES[state], tiny_llama_path, state)
 

@@ -9,6 +9,7 @@ set PDSERVE_TEST_ENGINE to a `module:function` engine main.
 from __future__ import annotations
 
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -25,10 +26,23 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 START_TIMEOUT_S = 60.0
 
 
+# Below the kernel's ephemeral range (32768-60999 here): a port picked there could be taken by
+# some outbound connection between this check and the server's bind, or its re-bind after a
+# restart on the same port (seen in the reliability suite).
+_PORT_RANGE = (20000, 32000)
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A TCP port on 127.0.0.1 that is free now and outside the ephemeral range."""
+    for _ in range(200):
+        port = random.randrange(*_PORT_RANGE)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free port found")
 
 
 def _launcher_code() -> str:
