@@ -181,6 +181,11 @@ class DecodeScheduler(Scheduler):
         self.draining = still
 
     # ---- retraction with a host copy ----------------------------------------------------------
+    def can_retract_last(self, req: Req) -> bool:
+        # Transfers in flight hold pages that come free as their requests finish; the request
+        # waits as a host copy. Alone in the pool it could never fit: that one fails.
+        return bool(self.transferring or self.draining)
+
     def on_retract(self, req: Req) -> None:
         assert req.num_pending == 0 and self.in_flight is None, "retract needs a quiet worker"
         assert self.kv_pool is not None

@@ -290,9 +290,12 @@ class Scheduler:
             retracted.append(victim)
             self.on_retract(victim)
         if not self._decode_fits(kept):
-            # Even one request cannot take one more token: fail it rather than hang.
             victim = kept.pop()
-            self._finish(victim, FinishReason("abort", message="out of KV memory", status_code=503))
+            if self.can_retract_last(victim):
+                retracted.append(victim)
+                self.on_retract(victim)
+            else:  # even alone it cannot take one more token: fail it rather than hang
+                self._finish(victim, FinishReason("abort", message="out of KV memory", status_code=503))
         if kept:  # with nobody kept the rule would give 0 and disable every reservation
             self.ratio.on_retract(
                 [len(r.output_ids) for r in kept], [r.sampling_params.max_new_tokens for r in kept]
@@ -314,6 +317,11 @@ class Scheduler:
     # ---- hooks for roles -----------------------------------------------------------------
     def can_admit_new_requests(self) -> bool:
         return True
+
+    def can_retract_last(self, req: Req) -> bool:
+        """The last running request cannot grow. Colocated: nothing else holds KV that will come
+        back, so it fails. Roles whose other requests hold pages (decode) retract it instead."""
+        return False
 
     def on_prompt_scheduled(self, req: Req) -> None:
         """The step computing req's last prompt chunk was scheduled; colocated: it decodes next."""

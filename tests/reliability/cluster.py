@@ -42,7 +42,7 @@ FLAGS = {
     "p_slow": ["--disaggregation-fault-spec", "delay_ms=40", *PREFILL],
     "p_fast": ["--max-prefill-tokens", "16", *PREFILL],
     "d_small": ["--max-total-tokens", "640", "--max-running-requests", "8", "--num-reserved-decode-tokens", "0",
-                "--schedule-conservativeness", "0.3", *DECODE],
+                "--schedule-conservativeness", "0.1", *DECODE],
     "d_big": ["--max-total-tokens", "16384", *DECODE],
 }
 

@@ -64,8 +64,9 @@ PREFILL_CASES = {
         affected=lambda c: _jobs(c.p_fast, c.d_small, 3, 40, 8, seed=1),
         # long enough that blockers arriving one by one through p_slow's delayed posts overlap
         unaffected=lambda c: _jobs(c.p_slow, c.d_small, 8, 20, 600, seed=2),
-        # "full" = decode is refusing admissions (a blocker waits in prealloc)
-        before=lambda c: (c.d_small, lambda s: s["num_running_reqs"] >= 2 and s["num_prealloc_queue_reqs"] >= 1),
+        # "full" = decode admits no more: a blocker waits in prealloc, or all 8 slots are taken
+        before=lambda c: (c.d_small, lambda s: s["num_prealloc_queue_reqs"] >= 1
+                          or s["num_running_reqs"] + s["num_transfer_queue_reqs"] >= 8),  # 8 = its max running
     ),
     # long prompts, 16-token prefill steps: the victim is still computing when it dies.
     "computing": Case(
