@@ -98,7 +98,7 @@ DECODE_CASES = {
     # prefill keeps serving another decode.
     "transferring": Case(
         "d_small",
-        state=lambda s: s["num_transfer_queue_reqs"] >= 1,
+        state=lambda s: s["num_transfer_queue_reqs"] >= 3,  # all three handed their pages to prefill
         affected=lambda c: _jobs(c.p_slow, c.d_small, 3, 120, 4, seed=13, cancel_prefill=False),
         unaffected=lambda c: _jobs(c.p_slow, c.d_big, 3, 64, 8, seed=14),
         prefill_verdict=True,
@@ -163,17 +163,16 @@ def _check_routed(case: Case, outcomes: list[RouterOutcome], t_kill: float, mode
         assert cut >= 1, "no routed request was on the killed decode"
 
 
-# The bootstrapping case needs decode to be full at the moment its requests arrive, which
-# depends on how blockers trickle through a delayed prefill: about 1 run in 3 misses the
-# window on this 2-core box. It is retried (pytest-rerunfailures) rather than weakened.
-@pytest.mark.parametrize(
-    "state",
-    [pytest.param(s, marks=pytest.mark.flaky(reruns=2)) if s == "bootstrapping" else s for s in PREFILL_CASES],
-)
+# Each case must catch requests in one state at the moment of the kill; on this shared 2-core
+# box a run sometimes misses the window (e.g. the bootstrapping case needs decode full exactly
+# when its requests arrive, ~1 run in 3). Cases are retried (pytest-rerunfailures), not weakened.
+@pytest.mark.flaky(reruns=2)
+@pytest.mark.parametrize("state", list(PREFILL_CASES))
 def test_kill_prefill(whole_cluster: Cluster, tiny_llama_path: str, state: str) -> None:
     _run(whole_cluster, PREFILL_CASES[state], tiny_llama_path, state)
 
 
+@pytest.mark.flaky(reruns=2)
 @pytest.mark.parametrize("state", list(DECODE_CASES))
 def test_kill_decode(whole_cluster: Cluster, tiny_llama_path: str, state: str) -> None:
     _run(whole_cluster, DECODE_CASES[state], tiny_llama_path, state)
