@@ -91,6 +91,9 @@ def test_worker_death_retry_all_down_and_runtime_add(cluster: Cluster) -> None:
     assert d3.stats()["generate"] == 3
 
 
+# The last step races the router's periodic readiness probe (it may take the one injected
+# failure before the client's request does): retried on that rare miss.
+@pytest.mark.flaky(reruns=2)
 def test_prefill_failure_before_first_token_is_an_error(cluster: Cluster) -> None:
     p, d = cluster.stubs("prefill", "decode")
     p.control(fail_status=500)
