@@ -26,6 +26,7 @@ from common.scheduler.req import Req, ReqState
 from common.scheduler.scheduler import PageFate, Scheduler
 from common.server.io_struct import FinishReason
 from kv_transfer import AuxSlotAllocator, KVManager, KVPoll, KVReceiver
+from prefill_server.scheduler import transfer_failure
 
 logger = logging.getLogger(__name__)
 
@@ -158,12 +159,7 @@ class DecodeScheduler(Scheduler):
 
     def _fail(self, req: Req, receiver: KVReceiver) -> None:
         self.num_transfer_failures += 1
-        reason = receiver.failure_reason or "KV transfer failed"
-        cause = receiver.failure_cause.value if receiver.failure_cause else "kv_transfer_failed"
-        status = 504 if "timeout" in cause else 500
-        logger.warning("rid=%s room=%s transfer failed: %s", req.rid, receiver.room, reason)
-        self._finish(req, FinishReason("abort", message=f"KV transfer failed: {reason}", status_code=status,
-                                       err_type=cause))
+        self._finish(req, transfer_failure(req, receiver))
 
     def _free_aux_slot(self, req: Req) -> None:
         slot = req.extra.pop(AUX_SLOT, None)

@@ -21,12 +21,21 @@ from common.scheduler.req import Req, ReqState
 from common.scheduler.schedule_batch import ScheduleBatch
 from common.scheduler.scheduler import PageFate, Scheduler
 from common.server.io_struct import FinishReason
-from kv_transfer import AuxRow, KVManager, KVPoll, KVSender
+from kv_transfer import AuxRow, KVManager, KVPoll, KVReceiver, KVSender
 
 logger = logging.getLogger(__name__)
 
 SENDER = "kv_sender"
 PAGES_SENT = "kv_pages_sent"
+
+
+def transfer_failure(req: Req, handle: KVSender | KVReceiver) -> FinishReason:
+    """The client-facing error of a failed KV transfer (either role); timeouts are 504."""
+    reason = handle.failure_reason or "KV transfer failed"
+    cause = handle.failure_cause.value if handle.failure_cause else "kv_transfer_failed"
+    logger.warning("rid=%s room=%s transfer failed: %s", req.rid, handle.room, reason)
+    status = 504 if "timeout" in cause else 500
+    return FinishReason("abort", message=f"KV transfer failed: {reason}", status_code=status, err_type=cause)
 
 
 class PrefillScheduler(Scheduler):
@@ -141,11 +150,7 @@ class PrefillScheduler(Scheduler):
     # ---- endings ----------------------------------------------------------------------------
     def _fail(self, req: Req, sender: KVSender) -> None:
         self.num_transfer_failures += 1
-        reason = sender.failure_reason or "KV transfer failed"
-        cause = sender.failure_cause.value if sender.failure_cause else "kv_transfer_failed"
-        status = 504 if "timeout" in cause else 500
-        logger.warning("rid=%s room=%s transfer failed: %s", req.rid, sender.room, reason)
-        self._finish(req, FinishReason("abort", message=f"KV transfer failed: {reason}", status_code=status, err_type=cause))
+        self._finish(req, transfer_failure(req, sender))
 
     def on_finish(self, req: Req) -> PageFate:
         sender = req.extra.get(SENDER)
