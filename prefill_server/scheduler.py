@@ -21,7 +21,7 @@ from common.scheduler.req import Req, ReqState
 from common.scheduler.schedule_batch import ScheduleBatch
 from common.scheduler.scheduler import PageFate, Scheduler
 from common.server.io_struct import FinishReason
-from kv_transfer import AuxRow, KVManager, KVPoll, KVReceiver, KVSender
+from kv_transfer import AuxRow, FailureCause, KVManager, KVPoll, KVReceiver, KVSender
 
 logger = logging.getLogger(__name__)
 
@@ -30,11 +30,15 @@ PAGES_SENT = "kv_pages_sent"
 
 
 def transfer_failure(req: Req, handle: KVSender | KVReceiver) -> FinishReason:
-    """The client-facing error of a failed KV transfer (either role); timeouts are 504."""
+    """The client-facing error of a failed KV transfer (either role).
+
+    Timeouts are 504; a transfer the other side gave up on (its client left, or it failed on
+    its own) is 499: not this worker's fault, so a router neither blames nor retries it.
+    """
     reason = handle.failure_reason or "KV transfer failed"
     cause = handle.failure_cause.value if handle.failure_cause else "kv_transfer_failed"
     logger.warning("rid=%s room=%s transfer failed: %s", req.rid, handle.room, reason)
-    status = 504 if "timeout" in cause else 500
+    status = 504 if "timeout" in cause else 499 if cause == FailureCause.ABORTED.value else 500
     return FinishReason("abort", message=f"KV transfer failed: {reason}", status_code=status, err_type=cause)
 
 

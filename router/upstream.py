@@ -121,10 +121,11 @@ class Attempt:
         first_task = self._first_task = asyncio.ensure_future(d_events.__anext__())
         if self._p_task is not None:
             await asyncio.wait((first_task, self._p_task), return_when=asyncio.FIRST_COMPLETED)
-            if not first_task.done() and self._p_task.exception() is not None:
+            p_done = self._p_task.done() and not self._p_task.cancelled()
+            exc = self._p_task.exception() if p_done else None
+            if not first_task.done() and exc is not None and not _decode_gave_up(exc):
                 first_task.cancel()
                 await asyncio.gather(first_task, return_exceptions=True)
-                exc = self._p_task.exception()
                 assert isinstance(exc, UpstreamError)
                 raise exc
         try:
@@ -200,17 +201,17 @@ class Attempt:
     async def aclose(self, *, cancel_prefill: bool) -> None:
         """Close D's connection; cancel P unless the request succeeded (then let it drain)."""
         self.d_guard.finish(None)  # no-op if an outcome was already recorded
+        p_task = self._p_task
+        if cancel_prefill and p_task is not None and not p_task.done():
+            p_task.cancel()  # before D hears of it: P's answer to D's abort must not count against P
         first = self._first_task
         if first is not None and not first.done():  # cancelled while waiting for D's first event
             first.cancel()
             await asyncio.gather(first, return_exceptions=True)
         if self._d_resp is not None:
             await self._d_resp.aclose()
-        p_task = self._p_task
         if p_task is None:
             return
-        if cancel_prefill and not p_task.done():
-            p_task.cancel()
         if p_task.done():
             self._prefill_drained(p_task)
         else:
@@ -224,6 +225,11 @@ class Attempt:
             self.p_guard.finish(None)  # no-op unless the task was cancelled before it ever ran
         if self.prefill_error is not None and self.decode_started:
             logger.warning("rid=%s prefill failed after decode started: %s", self.rid, self.prefill_error.message)
+
+
+def _decode_gave_up(exc: BaseException) -> bool:
+    """P's 499: decode abandoned the transfer; D's own answer (its error or stream) says why."""
+    return isinstance(exc, UpstreamError) and exc.status == 499
 
 
 def _consume(task: asyncio.Task[None]) -> None:

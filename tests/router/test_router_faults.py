@@ -226,3 +226,19 @@ def test_colocated_mode(cluster: Cluster) -> None:
     # The stubs refuse bootstrap fields in colocated mode, so 200s prove none were sent.
     assert w1.stats()["generate"] + w2.stats()["generate"] == 3 and w1.stats()["generate"] >= 1
     assert "bootstrap_room" not in (w1.stats()["last_body"] or {})
+
+
+def test_prefill_499_defers_to_decode(cluster: Cluster) -> None:
+    """P's 499 means decode gave the transfer up: D's answer is the request's, and P is not blamed."""
+    p, d = cluster.stubs("prefill", "decode")
+    r = cluster.router(pd_args([p], [d], "--max-retries", "0", "--breaker-failure-threshold", "100"))
+    r.wait_ready()
+    p.control(fail_status=499)
+    d.control(fail_status=503, delay_s=0.3)
+    resp = post(r, COMP)
+    assert resp.status_code == 503 and "stub failure 503" in resp.json()["error"]["message"], resp.text
+    d.control(fail_status=None, delay_s=0.3)
+    resp = post(r, COMP)
+    assert resp.status_code == 200, resp.text
+    failures = {u: w["total_failures"] for u, w in r.workers().items()}
+    assert failures == {p.url: 0, d.url: 1}
