@@ -28,7 +28,16 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from common.cache.kv_pool import KVPool  # noqa: E402
-from kv_transfer import AuxBuffer, AuxRow, KVManager, KVManagerArgs, KVPoll, TransferConfig  # noqa: E402
+from kv_transfer import (  # noqa: E402
+    AuxBuffer,
+    AuxRow,
+    KVManager,
+    KVManagerArgs,
+    KVPoll,
+    KVReceiver,
+    KVSender,
+    TransferConfig,
+)
 
 PAGE_BYTES = 16 << 10
 MIB = 1 << 20
@@ -45,12 +54,12 @@ def make(role: str, num_pages: int) -> tuple[KVManager, KVPool]:
     return KVManager(args), pool
 
 
-def wait(pred: Any, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not pred():
-        if time.monotonic() > deadline:
-            raise TimeoutError("bench transfer timed out")
-        time.sleep(0.00005)
+def wait(handle: KVSender | KVReceiver, at_least: KVPoll, timeout_s: float = 60.0) -> KVPoll:
+    """Blocking (no polling thread competes with the transfer for the 2 cores)."""
+    state = handle.wait(at_least, timeout_s)
+    if state != KVPoll.Failed and state < at_least:
+        raise TimeoutError("bench transfer timed out")
+    return state
 
 
 def prefill_main(conn: Any, num_pages: int) -> None:
@@ -64,10 +73,9 @@ def prefill_main(conn: Any, num_pages: int) -> None:
             room, src = msg
             sender = mgr.create_sender(f"b{room}", room)
             conn.send("ready")
-            wait(lambda s=sender: s.poll() >= KVPoll.WaitingForInput)
+            wait(sender, KVPoll.WaitingForInput)
             sender.send(src, is_last=True, aux=AuxRow(first_token=1))
-            wait(lambda s=sender: s.poll() in (KVPoll.Success, KVPoll.Failed))
-            conn.send(sender.poll() == KVPoll.Success)
+            conn.send(wait(sender, KVPoll.Success) == KVPoll.Success)
         conn.send(mgr.stats())
     finally:
         mgr.shutdown()
@@ -145,10 +153,10 @@ def main() -> None:
                     conn.send((room, src))
                     assert conn.recv() == "ready"
                     r = mgr.create_receiver(f"b{room}", room, "127.0.0.1", port)
-                    wait(lambda r=r: r.poll() >= KVPoll.WaitingForInput)
+                    wait(r, KVPoll.WaitingForInput)
                     t0 = time.perf_counter()
                     r.init(dst, 0)
-                    wait(lambda r=r: r.poll() in (KVPoll.Success, KVPoll.Failed))
+                    wait(r, KVPoll.Success)
                     dt = time.perf_counter() - t0
                     assert r.poll() == KVPoll.Success, r.failure_reason
                     assert conn.recv() is True

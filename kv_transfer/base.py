@@ -124,10 +124,10 @@ class StateCell:
 
     Failed is terminal; otherwise a state only moves forward (max of old and new)."""
 
-    __slots__ = ("_lock", "_state", "reason", "cause")
+    __slots__ = ("_changed", "_state", "reason", "cause")
 
     def __init__(self, state: KVPoll = KVPoll.Bootstrapping) -> None:
-        self._lock = threading.Lock()
+        self._changed = threading.Condition(threading.Lock())
         self._state = state
         self.reason: str | None = None
         self.cause: FailureCause | None = None
@@ -137,18 +137,27 @@ class StateCell:
         return self._state
 
     def advance(self, new: KVPoll) -> bool:
-        with self._lock:
+        with self._changed:
             if self._state == KVPoll.Failed or new <= self._state:
                 return False
             self._state = new
+            self._changed.notify_all()
             return True
 
     def fail(self, cause: FailureCause, reason: str) -> bool:
         """True when this call moved the state to Failed (first failure wins)."""
-        with self._lock:
+        with self._changed:
             if self._state in (KVPoll.Failed, KVPoll.Success):
                 return False
             self._state = KVPoll.Failed
             self.cause = cause
             self.reason = reason
+            self._changed.notify_all()
             return True
+
+    def wait(self, at_least: KVPoll, timeout_s: float) -> KVPoll:
+        """Block until the state is Failed or >= `at_least`, at most `timeout_s`; the state then.
+        For callers that have nothing else to do (tools, benchmarks); schedulers poll()."""
+        with self._changed:
+            self._changed.wait_for(lambda: self._state == KVPoll.Failed or self._state >= at_least, timeout_s)
+            return self._state

@@ -59,6 +59,10 @@ class _Handle:
     def poll(self) -> KVPoll:
         return self.cell.state
 
+    def wait(self, at_least: KVPoll, timeout_s: float) -> KVPoll:
+        """Block until Failed or >= `at_least` (bounded); see StateCell.wait."""
+        return self.cell.wait(at_least, timeout_s)
+
     @property
     def failure_reason(self) -> str | None:
         return self.cell.reason

@@ -19,6 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
+from common.cache.host_arena import alloc_host_buffers
+
 
 @dataclass(frozen=True)
 class KVLayout:
@@ -73,8 +75,12 @@ class KVPool:
         self.dtype = dtype
         self.device = torch.device(device)
         shape = (num_pages * page_size, num_kv_heads, head_dim)
-        self.k_buffers = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
-        self.v_buffers = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
+        if self.device.type == "cpu":
+            buffers = alloc_host_buffers([shape] * (2 * num_layers), dtype)
+            self.k_buffers, self.v_buffers = buffers[:num_layers], buffers[num_layers:]
+        else:
+            self.k_buffers = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
+            self.v_buffers = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
 
     @property
     def layout(self) -> KVLayout:
