@@ -25,8 +25,13 @@ class PageAllocator:
             raise ValueError(f"page_size={page_size} must be >= 1")
         self.num_pages = num_pages
         self.page_size = page_size
-        # A LIFO stack: recently freed pages are reused first; fresh pools hand out 1, 2, 3, ...
+        # Free pages live in two lists: `_free`, sorted descending (alloc pops its tail, so pages
+        # come out ascending), and `_released`, freed since the last merge. When `_free` runs
+        # short the two are merged and sorted again. Pages handed out are thus mostly
+        # ascending runs even after interleaved frees, and a KV transfer moves a run as one
+        # descriptor (interleaved decode steps with page_size 1 otherwise scatter every page).
         self._free: list[int] = list(range(num_pages - 1, 0, -1))
+        self._released: list[int] = []
         self._is_free = bytearray(num_pages)
         self._is_free[1:] = b"\x01" * (num_pages - 1)
 
@@ -36,11 +41,11 @@ class PageAllocator:
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        return len(self._free) + len(self._released)
 
     @property
     def num_allocated(self) -> int:
-        return self.num_usable - len(self._free)
+        return self.num_usable - self.num_free
 
     def is_free(self, page: int) -> bool:
         return bool(self._is_free[page])
@@ -50,7 +55,9 @@ class PageAllocator:
         if n < 0:
             raise ValueError(f"alloc({n}): negative page count")
         if n > len(self._free):
-            return None
+            if n > self.num_free:
+                return None
+            self._merge_released()
         if n == 0:
             return []
         pages = self._free[-n:]
@@ -72,7 +79,12 @@ class PageAllocator:
                 what = "out of range" if not 0 < p < self.num_pages else "already free (double free)"
                 raise PoolInvariantError(f"free(): page {p} is {what}; num_pages={self.num_pages}")
             is_free[p] = 1
-        self._free.extend(pages)
+        self._released.extend(pages)
+
+    def _merge_released(self) -> None:
+        self._free.extend(self._released)
+        self._released.clear()
+        self._free.sort(reverse=True)
 
     def alloc_slots(self, seq_len: int, last_slot: int | None, n: int) -> list[int] | None:
         """Token slots for n tokens appended to a sequence of seq_len tokens; None if out of pages.
@@ -135,8 +147,8 @@ class PageAllocator:
         self.free(self.pages_of(slots))
 
     def check_integrity(self) -> None:
-        """Free stack and free flags agree; no duplicates; page 0 never free."""
-        free = self._free
+        """Free lists and free flags agree; no duplicates; page 0 never free."""
+        free = self._free + self._released
         if self._is_free[0]:
             raise PoolInvariantError("reserved page 0 is marked free")
         if len(set(free)) != len(free):

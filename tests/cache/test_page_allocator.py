@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from common.cache import PageAllocator, PoolInvariantError
@@ -27,6 +29,26 @@ def test_round_trip_and_reuse() -> None:
     alloc.free(iter(c))
     assert alloc.num_free == 10
     assert alloc.alloc(0) == []
+    alloc.check_integrity()
+
+
+def test_pages_come_out_in_ascending_runs_after_interleaved_frees() -> None:
+    """Two requests growing one page per step interleave their pages; once both are freed (in
+    any order) a new request still gets one ascending run: a KV transfer moves it as ONE descriptor."""
+    alloc = PageAllocator(num_pages=33, page_size=1)
+    a, b = [], []
+    for _ in range(16):
+        a += alloc.alloc(1) or []
+        b += alloc.alloc(1) or []
+    assert a == list(range(1, 33, 2)) and alloc.num_free == 0
+    rng = random.Random(5)
+    rng.shuffle(a)
+    alloc.free(b)
+    alloc.free(a)
+    assert alloc.alloc(32) == list(range(1, 33))
+    alloc.check_integrity()
+    alloc.free(range(1, 33))
+    assert alloc.alloc(3) == [1, 2, 3] and alloc.num_free == 29
     alloc.check_integrity()
 
 
