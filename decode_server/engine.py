@@ -11,18 +11,18 @@ import dataclasses
 from typing import Any
 
 from common.scheduler.req import Req
-from common.scheduler.scheduler import RequestRejected
-from common.server.engine_process import EngineLoop, engine_main
+from common.server.engine_process import engine_main
 from common.server.io_struct import GenerateReq
 from common.server.ipc import EngineIpcAddrs
+from common.server.pd_role import PDEngineLoop
 from common.server.server_args import ServerArgs
 from decode_server.scheduler import DecodeScheduler
-from kv_transfer import AuxBuffer, AuxSlotAllocator, KVManager, KVManagerArgs
-from prefill_server.engine import aux_slots, transfer_config
+from kv_transfer import AuxSlotAllocator
 
 
-class DecodeEngineLoop(EngineLoop):
+class DecodeEngineLoop(PDEngineLoop):
     scheduler_cls = DecodeScheduler
+    role = "decode"
 
     def adjust_args(self, args: ServerArgs) -> ServerArgs:
         return dataclasses.replace(args, disable_radix_cache=True)
@@ -34,35 +34,15 @@ class DecodeEngineLoop(EngineLoop):
         return {"num_reserved_decode_tokens": self.args.num_reserved_decode_tokens}
 
     def setup(self) -> None:
-        pool = self.core.kv_pool
-        n = aux_slots(self.args)
-        aux = AuxBuffer(n)
-        self.transfer = KVManager(
-            KVManagerArgs(
-                role="decode",
-                layout=pool.layout,
-                k_buffers=pool.k_buffers,
-                v_buffers=pool.v_buffers,
-                aux_buffer=aux,
-                bootstrap_host=self.args.host,
-                config=transfer_config(self.args),
-            )
-        )
-        self.scheduler.attach_transfer(self.transfer, AuxSlotAllocator(n), pool)
+        super().setup()
+        allocator = AuxSlotAllocator(self.aux_buffer.num_slots)
+        self.scheduler.attach_transfer(self.transfer, allocator, self.core.kv_pool)
 
     def make_req(self, msg: GenerateReq) -> Req:
-        if msg.bootstrap is None:
-            raise RequestRejected("a decode instance needs bootstrap_host, bootstrap_port and bootstrap_room")
         req = super().make_req(msg)
+        assert msg.bootstrap is not None
         req.extra["bootstrap"] = (msg.bootstrap.host, msg.bootstrap.port, msg.bootstrap.room)
         return req
-
-    def before_step(self) -> None:
-        self.scheduler.poll_transfers()
-
-    def shutdown(self) -> None:
-        super().shutdown()
-        self.transfer.shutdown()
 
 
 def decode_engine_main(args: ServerArgs, addrs: EngineIpcAddrs) -> None:

@@ -25,8 +25,8 @@ from common.cache.kv_pool import KVPool
 from common.scheduler.req import Req, ReqState
 from common.scheduler.scheduler import PageFate, Scheduler
 from common.server.io_struct import FinishReason
+from common.server.pd_role import transfer_failure, transfer_stats
 from kv_transfer import AuxSlotAllocator, KVManager, KVPoll, KVReceiver
-from prefill_server.scheduler import transfer_failure
 
 logger = logging.getLogger(__name__)
 
@@ -249,6 +249,5 @@ class DecodeScheduler(Scheduler):
                 "num_prebuilt_total": float(self.num_prebuilt),
             }
         )
-        if self.transfer is not None:
-            s.update({f"kv_transfer_{k}": float(v) for k, v in self.transfer.stats().items() if isinstance(v, (int, float))})
+        s.update(transfer_stats(self.transfer))
         return s

@@ -77,6 +77,8 @@ class TransferConfig:
     - idle_poll_s = 0.05, busy_poll_s = 0.001: the background thread's poller timeout
       when nothing / something is in flight (ZMQ polls in whole ms).
     - shutdown_timeout_s = 5: bound on KVManager.shutdown().
+    - stall_report_s = 10: KVManager.health() reports the thread stuck when one iteration
+      of its loop (normally <= idle_poll_s) takes longer than this.
     - send_hwm = 10000: ZMQ high-water mark; sends past it are dropped, never blocked.
     - faults = "": fault-injection spec (see kv_transfer.faults.FaultSpec), tests only.
     """
@@ -91,6 +93,7 @@ class TransferConfig:
     idle_poll_s: float = 0.05
     busy_poll_s: float = 0.001
     shutdown_timeout_s: float = 5.0
+    stall_report_s: float = 10.0
     send_hwm: int = 10000
     faults: str = ""
 

@@ -107,7 +107,7 @@ class DecodeSide(Side):
             return
         if notify:
             self._send(peer, Abort(rec.receiver.room, reason))
-        rec.drain_deadline = now + self.cfg.drain_timeout_s
+        rec.drain_deadline = rec.receiver.drain_deadline = now + self.cfg.drain_timeout_s
         self.draining.append((peer.key, rec))
 
     # ---- scheduler commands -------------------------------------------------------------

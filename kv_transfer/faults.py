@@ -8,6 +8,8 @@ Spec string, comma separated `key=value` (all optional):
     drop_status=P      each Status message prefill sends is dropped with probability P
     drop_status_nth=N  the N-th Status message is dropped
     delay_ms=D         every post sleeps D ms first (in the manager thread)
+    stall_s=S          the manager thread's next loop iteration sleeps S s (once): a stuck thread
+    crash_after_s=T    the manager thread dies T s after the spec took effect (uncaught error)
     seed=S             RNG seed (default 0)
 
 Example: "fail_post=0.1,fail_poll=0.05,drop_status=0.1,delay_ms=50,seed=1".
@@ -24,6 +26,10 @@ class InjectedFault(RuntimeError):
     pass
 
 
+class InjectedCrash(RuntimeError):
+    """Raised outside every guard of the manager thread: it dies as a bug would kill it."""
+
+
 @dataclass(frozen=True)
 class FaultSpec:
     fail_post: float = 0.0
@@ -32,6 +38,8 @@ class FaultSpec:
     drop_status: float = 0.0
     drop_status_nth: int = 0
     delay_ms: float = 0.0
+    stall_s: float = 0.0
+    crash_after_s: float = 0.0
     seed: int = 0
 
     @classmethod
@@ -62,6 +70,8 @@ class FaultInjector:
         self._rng = random.Random(spec.seed)
         self._posts = 0
         self._statuses = 0
+        self._since = time.monotonic()
+        self._stalled = False
         self.injected: dict[str, int] = {}
 
     def reconfigure(self, spec: FaultSpec) -> None:
@@ -69,9 +79,21 @@ class FaultInjector:
         self.spec = spec
         self._rng = random.Random(spec.seed)
         self._posts = self._statuses = 0
+        self._since = time.monotonic()
+        self._stalled = False
 
     def _hit(self, what: str) -> None:
         self.injected[what] = self.injected.get(what, 0) + 1
+
+    def in_loop(self) -> None:
+        """Top of every manager-thread iteration."""
+        if self.spec.stall_s > 0 and not self._stalled:
+            self._stalled = True
+            self._hit("stall")
+            time.sleep(self.spec.stall_s)
+        if self.spec.crash_after_s > 0 and time.monotonic() - self._since >= self.spec.crash_after_s:
+            self._hit("crash")
+            raise InjectedCrash(f"injected crash of the kv_transfer thread after {self.spec.crash_after_s:g}s")
 
     def before_post(self) -> None:
         self._posts += 1

@@ -7,6 +7,7 @@ background thread. poll() reads a state that thread advances.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -134,6 +135,7 @@ class KVReceiver(_Handle):
         self._num_pages = num_pages
         self.aux_slot: int | None = None
         self.drained = False  # set by the manager thread
+        self.drain_deadline: float | None = None  # set by the manager thread when it fails a sent request
         self.request_sent = False  # set by the manager thread
 
     def init(self, dst_page_ids: Sequence[int], aux_slot: int) -> None:
@@ -168,4 +170,8 @@ class KVReceiver(_Handle):
         state = self.poll()
         if state == KVPoll.Success:
             return True
-        return state == KVPoll.Failed and self.drained
+        if state != KVPoll.Failed:
+            return False
+        # The deadline is checked here too, so the pages come back even if the manager
+        # thread that would mark them drained is gone.
+        return self.drained or (self.drain_deadline is not None and time.monotonic() >= self.drain_deadline)

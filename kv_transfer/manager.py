@@ -103,6 +103,7 @@ class KVManager:
             self.side = DecodeSide(layout=layout, aux=args.aux_buffer, register=reg, **common)
         else:
             raise ValueError(f"role must be 'prefill' or 'decode', got {args.role!r}")
+        self._loop_at = time.monotonic()
         self._thread = threading.Thread(target=self._run, name=f"kv-transfer-{args.role}", daemon=True)
         self._thread.start()
         log.info("%s KVManager %s up (bootstrap port %d)", args.role, self.agent_name, self.bootstrap_port)
@@ -126,6 +127,21 @@ class KVManager:
         out = self.metrics.stats()
         out["injected_faults"] = dict(self.faults.injected)
         return out
+
+    def health(self) -> str | None:
+        """Why this manager cannot move KV now (its thread died or is stuck), or None.
+
+        Every live handle already failed if the thread died (its exit fails them); a stuck
+        thread (one iteration past stall_report_s, e.g. blocked inside NIXL) fails nothing
+        by itself: the owner reports it (/health 503) and refuses new requests."""
+        if self._closed:
+            return "KV transfer manager is shut down"
+        if not self._thread.is_alive():
+            return "KV transfer thread is not running (see the log for its crash)"
+        stalled = time.monotonic() - self._loop_at
+        if stalled > self.cfg.stall_report_s:
+            return f"KV transfer thread has not completed an iteration for {stalled:.1f}s"
+        return None
 
     def set_faults(self, spec: str) -> None:
         """Replace the fault-injection spec (see kv_transfer.faults); "" turns faults off."""
@@ -188,6 +204,8 @@ class KVManager:
         busy = False
         try:
             while not self._stop.is_set():
+                self._loop_at = time.monotonic()
+                self.faults.in_loop()
                 timeout = self.cfg.busy_poll_s if busy else self.cfg.idle_poll_s
                 events = dict(self._poller.poll(max(1, int(timeout * 1000.0))))
                 if self._wake_r in events:
@@ -199,9 +217,8 @@ class KVManager:
                     if isinstance(sock, zmq.Socket):
                         self._guarded(self.side.on_readable, sock)
                 busy = bool(self._guarded(self.side.tick, time.monotonic()))
-        except Exception:
+        except Exception:  # the thread ends: health() reports it, the finally fails every handle
             log.exception("kv_transfer thread crashed")
-            raise
         finally:
             self._drain_commands()
             self.side.shutdown()

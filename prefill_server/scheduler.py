@@ -21,25 +21,13 @@ from common.scheduler.req import Req, ReqState
 from common.scheduler.schedule_batch import ScheduleBatch
 from common.scheduler.scheduler import PageFate, Scheduler
 from common.server.io_struct import FinishReason
-from kv_transfer import AuxRow, FailureCause, KVManager, KVPoll, KVReceiver, KVSender
+from common.server.pd_role import transfer_failure, transfer_stats
+from kv_transfer import AuxRow, KVManager, KVPoll, KVSender
 
 logger = logging.getLogger(__name__)
 
 SENDER = "kv_sender"
 PAGES_SENT = "kv_pages_sent"
-
-
-def transfer_failure(req: Req, handle: KVSender | KVReceiver) -> FinishReason:
-    """The client-facing error of a failed KV transfer (either role).
-
-    Timeouts are 504; a transfer the other side gave up on (its client left, or it failed on
-    its own) is 499: not this worker's fault, so a router neither blames nor retries it.
-    """
-    reason = handle.failure_reason or "KV transfer failed"
-    cause = handle.failure_cause.value if handle.failure_cause else "kv_transfer_failed"
-    logger.warning("rid=%s room=%s transfer failed: %s", req.rid, handle.room, reason)
-    status = 504 if "timeout" in cause else 499 if cause == FailureCause.ABORTED.value else 500
-    return FinishReason("abort", message=f"KV transfer failed: {reason}", status_code=status, err_type=cause)
 
 
 class PrefillScheduler(Scheduler):
@@ -176,6 +164,5 @@ class PrefillScheduler(Scheduler):
         s["num_transfer_failures_total"] = float(self.num_transfer_failures)
         s["kv_transfer_total_seconds"] = self.transfer_total_seconds
         s["kv_transfer_exposed_seconds"] = self.transfer_exposed_seconds
-        if self.transfer is not None:
-            s.update({f"kv_transfer_{k}": float(v) for k, v in self.transfer.stats().items() if isinstance(v, (int, float))})
+        s.update(transfer_stats(self.transfer))
         return s

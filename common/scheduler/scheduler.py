@@ -45,7 +45,12 @@ class PageFate(enum.Enum):
 
 
 class RequestRejected(ValueError):
-    """A request the engine cannot serve (message is safe for the client)."""
+    """A request the engine cannot serve (message is safe for the client); 400 unless the
+    instance itself cannot serve it right now (503: a router tries another)."""
+
+    def __init__(self, message: str, status_code: int = 400) -> None:
+        super().__init__(message)
+        self.status_code = status_code
 
 
 @dataclass

@@ -93,6 +93,10 @@ class EngineLoop:
     def stats(self) -> dict[str, float]:
         return self.core.ready_stats()
 
+    def health_problem(self) -> str | None:
+        """Why this engine cannot serve though its loop runs (/health turns 503); None when fine."""
+        return None
+
     # ---- loop -------------------------------------------------------------------------------
     def _send_tokens(self, items: list[TokenOut]) -> None:
         self.channel.send(BatchTokenOut(items=items))
@@ -106,11 +110,11 @@ class EngineLoop:
             try:
                 self.on_generate(msg)
             except RequestRejected as e:
-                self.reject(msg.rid, str(e))
+                self.reject(msg.rid, str(e), e.status_code)
         elif isinstance(msg, AbortReq):
             self.scheduler.abort(msg.rid, msg.reason)
         elif isinstance(msg, StatsReq):
-            self.channel.send(StatsResp(seq=msg.seq, stats=self.stats()))
+            self.channel.send(StatsResp(seq=msg.seq, stats=self.stats(), unhealthy=self.health_problem()))
 
     def _parent_alive(self) -> bool:
         now = time.monotonic()

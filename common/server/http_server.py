@@ -117,6 +117,8 @@ def create_app(manager: TokenizerManager, server_info: dict[str, Any]) -> FastAP
     @app.get("/health")
     async def health() -> Response:
         await manager.get_stats(timeout_s=HEALTH_TIMEOUT_S)
+        if manager.engine_problem is not None:
+            raise ApiError(503, manager.engine_problem)
         return _json(200, {"status": "ok"})
 
     @app.get("/server_info")

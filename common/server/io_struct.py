@@ -79,6 +79,7 @@ class BatchTokenOut(msgspec.Struct, frozen=True, array_like=True, tag="tokens"):
 class StatsResp(msgspec.Struct, frozen=True, array_like=True, tag="stats_resp"):
     seq: int
     stats: dict[str, float]  # gauge/counter name -> value (queues, pools, new_token_ratio, ...)
+    unhealthy: str | None = None  # why the engine cannot serve though it answers (e.g. KV transfer down)
 
 
 EngineReply = BatchTokenOut | StatsResp

@@ -54,6 +54,7 @@ class TokenizerManager:
         self.metrics = metrics
         self._dead_reason_fn = engine_dead_reason
         self.engine_dead: str | None = None
+        self.engine_problem: str | None = None  # the engine answers but cannot serve (StatsResp.unhealthy)
         self._states: dict[str, ReqState] = {}
         self._stats_waiters: dict[int, asyncio.Future[dict[str, float]]] = {}
         self._seq = itertools.count(1)
@@ -217,6 +218,7 @@ class TokenizerManager:
                     if state is not None and not state.finished:
                         state.queue.put_nowait(out)
             elif isinstance(reply, StatsResp) and reply.seq != READY_SEQ:
+                self.engine_problem = reply.unhealthy
                 fut = self._stats_waiters.get(reply.seq)
                 if fut is not None and not fut.done():
                     fut.set_result(reply.stats)
