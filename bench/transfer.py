@@ -6,8 +6,11 @@ processes (UCX loopback), next to a plain in-process torch copy of the same byte
 Layout: 1 layer, K and V buffers, 16 KiB pages (page_size 8 x 8 heads x 128 dim x bf16).
 A transfer of B bytes moves B/2 through K and B/2 through V, as (a) one contiguous page
 range on both sides (one descriptor per buffer) or (b) randomly scattered 16 KiB pages.
-Latency = decode's receiver.init() to poll() == Success (request message, prefill posts,
-WRITEs, status message, aux check). Last line: RESULT {json}.
+Bandwidth (and the ratio to memcpy) = bytes / (prefill's sender.send() -> decode sees
+Success: descriptor build, posts, WRITEs, status message, aux check), as in serving, where
+decode's page ids arrive while prefill still computes. Latency = decode's receiver.init() ->
+Success, which adds the request message and the prefill's reaction to it. Both clocks are
+CLOCK_MONOTONIC (perf_counter), shared by the two processes. Last line: RESULT {json}.
 """
 
 from __future__ import annotations
@@ -74,8 +77,9 @@ def prefill_main(conn: Any, num_pages: int) -> None:
             sender = mgr.create_sender(f"b{room}", room)
             conn.send("ready")
             wait(sender, KVPoll.WaitingForInput)
+            t_send = time.perf_counter()  # CLOCK_MONOTONIC: comparable across processes
             sender.send(src, is_last=True, aux=AuxRow(first_token=1))
-            conn.send(wait(sender, KVPoll.Success) == KVPoll.Success)
+            conn.send((wait(sender, KVPoll.Success) == KVPoll.Success, t_send))
         conn.send(mgr.stats())
     finally:
         mgr.shutdown()
@@ -143,7 +147,7 @@ def main() -> None:
             n = mib * MIB // 2 // PAGE_BYTES
             mem = memcpy_gbps(mib * MIB, reps)
             for kind in ("contiguous", "scattered"):
-                lat = []
+                lat, moved = [], []
                 for rep in range(reps + 1):  # first rep warms up (connection, page faults)
                     if kind == "contiguous":
                         src, dst = list(range(1, n + 1)), list(range(1, n + 1))
@@ -157,27 +161,32 @@ def main() -> None:
                     t0 = time.perf_counter()
                     r.init(dst, 0)
                     wait(r, KVPoll.Success)
-                    dt = time.perf_counter() - t0
+                    t1 = time.perf_counter()
+                    dt = t1 - t0
                     assert r.poll() == KVPoll.Success, r.failure_reason
-                    assert conn.recv() is True
+                    ok, t_send = conn.recv()
+                    assert ok is True
                     room += 1
                     if rep:
                         lat.append(dt)
+                        moved.append(t1 - t_send)
                 nbytes = 2 * n * PAGE_BYTES
-                best = min(lat)
                 case = {
-                    "mib": mib, "kind": kind, "gbps_best": nbytes / best / 1e9,
-                    "gbps_median": nbytes / statistics.median(lat) / 1e9,
-                    "latency_ms_best": best * 1e3, "latency_ms_median": statistics.median(lat) * 1e3,
+                    "mib": mib, "kind": kind,
+                    "gbps_best": nbytes / min(moved) / 1e9, "gbps_median": nbytes / statistics.median(moved) / 1e9,
+                    "gbps_incl_request_best": nbytes / min(lat) / 1e9,
+                    "latency_ms_best": min(lat) * 1e3, "latency_ms_median": statistics.median(lat) * 1e3,
+                    "send_to_success_ms_best": min(moved) * 1e3,
                     "memcpy_gbps": mem,
                 }
                 if kind == "scattered":
                     case["torch_scatter_gbps"] = torch_scatter_gbps(nbytes, num_pages, reps, rng)
                 case["ratio_vs_memcpy"] = case["gbps_best"] / mem
                 results["cases"].append(case)
-                print(f"{mib:4d} MiB {kind:10s}: {case['gbps_best']:6.2f} GB/s best, {case['gbps_median']:6.2f} median, "
-                      f"{case['latency_ms_best']:8.2f} ms; torch copy {mem:6.2f} GB/s; ratio {case['ratio_vs_memcpy']:.2f}",
-                      flush=True)
+                print(f"{mib:4d} MiB {kind:10s}: {case['gbps_best']:6.2f} GB/s best, {case['gbps_median']:6.2f} median "
+                      f"(send -> Success {case['send_to_success_ms_best']:7.2f} ms); with decode's request "
+                      f"{case['latency_ms_best']:7.2f} ms = {case['gbps_incl_request_best']:5.2f} GB/s; "
+                      f"torch copy {mem:6.2f} GB/s; ratio {case['ratio_vs_memcpy']:.2f}", flush=True)
         conn.send(None)
         assert conn.recv() is not None
         results["decode_stats"] = mgr.stats()
