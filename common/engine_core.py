@@ -75,7 +75,7 @@ def scheduler_config(args: ServerArgs, context_length: int) -> SchedulerConfig:
         max_running_requests=args.max_running_requests,
         schedule_policy=args.effective_schedule_policy,
         schedule_conservativeness=args.schedule_conservativeness,
-        enable_overlap=not args.disable_overlap_schedule,
+        enable_overlap=args.overlap_schedule,
         enable_mixed_chunk=args.enable_mixed_chunk,
         disable_radix_cache=args.disable_radix_cache,
         context_length=context_length,
@@ -131,7 +131,7 @@ def build_engine_core(
     sampler = Sampler(config.vocab_size, req_pool.max_reqs, device)
     worker = TorchModelWorker(runner, sampler, future_capacity=future_capacity)
     executor: Executor
-    if args.disable_overlap_schedule:
+    if not args.overlap_schedule:
         executor = SyncExecutor(worker)
     else:
         executor = ThreadExecutor(worker, on_thread_start=on_worker_start)

@@ -35,7 +35,7 @@ def test_llama_parity_chunked_and_cached(tiny_llama_path, page_size, overlap):
     path = str(tiny_llama_path)
     engine = Engine(
         path, dtype="float32", page_size=page_size, chunked_prefill_size=32, max_prefill_tokens=96,
-        max_total_tokens=8192, disable_overlap_schedule=not overlap,
+        max_total_tokens=8192, disable_overlap_schedule=not overlap, enable_cpu_overlap_schedule=overlap,
     )
     try:
         rng = random.Random(7)

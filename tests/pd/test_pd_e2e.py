@@ -32,12 +32,14 @@ def workload(n: int, seed: int) -> list[list[int]]:
     return prompts
 
 
-@pytest.fixture(scope="module", params=[16, 1], ids=["page16", "page1"])
+@pytest.fixture(scope="module", params=[16, 1], ids=["page16-overlap", "page1"])
 def pair(request: pytest.FixtureRequest, tiny_llama_path: str) -> Iterator[PDPair]:
     ps = str(request.param)
+    # page 16 runs both roles with the overlap loop (CPU defaults to the normal loop)
+    loop = ["--enable-cpu-overlap-schedule"] if ps == "16" else []
     p = start_pair(Path(tiny_llama_path),
-                   ["--page-size", ps, "--chunked-prefill-size", "32", "--max-total-tokens", "8192"],
-                   ["--page-size", ps, "--max-total-tokens", "8192"])
+                   ["--page-size", ps, "--chunked-prefill-size", "32", "--max-total-tokens", "8192", *loop],
+                   ["--page-size", ps, "--max-total-tokens", "8192", *loop])
     try:
         yield p
     finally:

@@ -29,6 +29,11 @@ def test_flags_map_onto_fields() -> None:
     assert (args.max_total_tokens, args.request_timeout) == (2048, 2.5)
     assert args.disable_radix_cache and args.enable_mixed_chunk and not args.disable_overlap_schedule
     assert args.disaggregation_fault_spec == "drop:3"
+    assert parse_server_args(["--device", "cpu"]).overlap_schedule is False  # measured slower on CPU
+    assert parse_server_args(["--device", "cpu", "--enable-cpu-overlap-schedule"]).overlap_schedule is True
+    assert parse_server_args(["--device", "cuda"]).overlap_schedule is True
+    both = ["--device", "cuda", "--enable-cpu-overlap-schedule", "--disable-overlap-schedule"]
+    assert parse_server_args(both).overlap_schedule is False
     ns = add_cli_args(argparse.ArgumentParser()).parse_args(["--random-seed", "7"])
     assert from_cli_args(ns).random_seed == 7
 
