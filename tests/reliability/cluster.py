@@ -6,7 +6,7 @@
     d_big   decode, 16k-token pool
     router  round_robin over all four; health every 0.3 s
 
-All instances use a 0.5 s heartbeat interval and a 2.5 s heartbeat timeout, so a dead or
+All instances run the overlap loop and use a 0.5 s heartbeat interval and a 2.5 s heartbeat timeout, so a dead or
 stopped peer fails its requests within HEARTBEAT_BOUND_S. Scenarios that kill an instance
 restart it on the same ports before they end (see `Cluster.revive`).
 """
@@ -34,7 +34,9 @@ VOCAB = 384
 
 HB = ["--disaggregation-heartbeat-interval", str(HB_INTERVAL_S),
       "--disaggregation-heartbeat-timeout", str(HB_TIMEOUT_S)]
-PAGE = ["--page-size", "4"]
+# The overlap loop (CUDA's default; CPU's is the normal loop): the matrix covers it, and its
+# timing windows (a kill must catch requests in one state) were tuned on it.
+PAGE = ["--page-size", "4", "--enable-cpu-overlap-schedule"]
 PREFILL = [*PAGE, *HB, "--chunked-prefill-size", "16", "--max-total-tokens", "16384",
            "--disaggregation-bootstrap-timeout", str(BOOTSTRAP_TIMEOUT_S)]
 DECODE = [*PAGE, *HB, "--disaggregation-transfer-timeout", "20"]

@@ -43,14 +43,23 @@ def assert_correct(model: str, outcomes: list[Outcome], sample: int | None = Non
         assert o.output_ids == hf_greedy(model, o.prompt, o.max_new)
 
 
-def assert_failed_within(outcomes: list[Outcome], since: float, bound_s: float, *, side: str = "decode") -> None:
-    """Every outcome ended with an error on `side`, at most `bound_s` after `since`."""
+def assert_failed_within(outcomes: list[Outcome], since: float, bound_s: float, *, side: str = "decode",
+                         model: str | None = None) -> None:
+    """Every outcome still running at `since` ended with an error on `side` at most `bound_s`
+    later; one that had already completed before the fault must be exact (needs `model`).
+    At least half of them must have been caught by the fault, or the case tested nothing."""
+    caught = 0
     for o in outcomes:
         s = o.decode if side == "decode" else o.prefill
+        if o.ok and o.decode.done_at is not None and o.decode.done_at <= since and model is not None:
+            assert o.output_ids == hf_greedy(model, o.prompt, o.max_new), f"finished before the fault, wrong: {o}"
+            continue
         assert s.error is not None or s.status >= 400, f"{side} did not report an error: {o}"
         assert s.done_at is not None and s.done_at - since <= bound_s, (
             f"{side} error came {s.done_at and s.done_at - since:.2f}s after the fault (bound {bound_s}s): {s}"
         )
+        caught += 1
+    assert 2 * caught >= len(outcomes), f"only {caught} of {len(outcomes)} requests were caught by the fault"
 
 
 def router_routes_around(cluster: Cluster, victim: Instance, model: str, n: int = 6) -> None:
