@@ -55,7 +55,6 @@ class _Recv:
     receiver: KVReceiver
     init: InitCmd | None = None
     sent_at: float | None = None
-    drain_deadline: float | None = None
 
 
 class DecodeSide(Side):
@@ -107,7 +106,7 @@ class DecodeSide(Side):
             return
         if notify:
             self._send(peer, Abort(rec.receiver.room, reason))
-        rec.drain_deadline = rec.receiver.drain_deadline = now + self.cfg.drain_timeout_s
+        rec.receiver.drain_deadline = now + self.cfg.drain_timeout_s
         self.draining.append((peer.key, rec))
 
     # ---- scheduler commands -------------------------------------------------------------
@@ -236,7 +235,8 @@ class DecodeSide(Side):
                     self._fail(peer, rec, FailureCause.TRANSFER_TIMEOUT, why, now, notify=True)
         keep = []
         for key, rec in self.draining:
-            if rec.drain_deadline is not None and now >= rec.drain_deadline:
+            deadline = rec.receiver.drain_deadline
+            if deadline is not None and now >= deadline:
                 rec.receiver.drained = True
             if not rec.receiver.drained:
                 keep.append((key, rec))

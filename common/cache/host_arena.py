@@ -19,6 +19,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import logging
+import math
 import sys
 
 import torch
@@ -48,7 +49,7 @@ def alloc_host_buffers(shapes: list[tuple[int, ...]], dtype: torch.dtype) -> lis
     """Zeroed contiguous CPU tensors of `shapes`, packed back to back (64-byte aligned) in
     one huge-page arena that lives as long as any of them."""
     itemsize = torch.empty((), dtype=dtype).element_size()
-    sizes = [itemsize * _numel(s) for s in shapes]
+    sizes = [itemsize * math.prod(s) for s in shapes]
     offsets, total = [], 0
     for size in sizes:
         offsets.append(total)
@@ -62,13 +63,6 @@ def alloc_host_buffers(shapes: list[tuple[int, ...]], dtype: torch.dtype) -> lis
     for shape, size, off in zip(shapes, sizes, offsets, strict=True):
         out.append(arena[start + off : start + off + size].view(dtype).view(shape))
     return out
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
 
 
 __all__ = ["HUGE_PAGE", "alloc_host_buffers"]
