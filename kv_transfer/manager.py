@@ -62,6 +62,8 @@ class KVManager:
         self._poller.register(self._wake_r, zmq.POLLIN)
         self._stop = threading.Event()
         self._closed = False
+        self._accepting = True  # False once the thread is leaving: new handles fail at once
+        self._accept_lock = threading.Lock()
         common: dict[str, Any] = dict(
             cfg=self.cfg, endpoint=self.endpoint, metrics=self.metrics, fail=self._fail, poller=self._poller, ctx=self._ctx
         )
@@ -136,7 +138,7 @@ class KVManager:
         by itself: the owner reports it (/health 503) and refuses new requests."""
         if self._closed:
             return "KV transfer manager is shut down"
-        if not self._thread.is_alive():
+        if not self._accepting or not self._thread.is_alive():
             return "KV transfer thread is not running (see the log for its crash)"
         stalled = time.monotonic() - self._loop_at
         if stalled > self.cfg.stall_report_s:
@@ -190,11 +192,13 @@ class KVManager:
         return False
 
     def _submit(self, cmd: object) -> None:
-        if not self._thread.is_alive() and isinstance(cmd, _Create):
+        with self._accept_lock:  # against the thread's exit: a command is either drained by it or refused
+            if self._accepting:
+                self._cmds.put(cmd)
+                self._wake()
+                return
+        if isinstance(cmd, _Create):
             self._fail(cmd.handle.cell, FailureCause.SHUTDOWN, "kv_transfer thread is not running")
-            return
-        self._cmds.put(cmd)
-        self._wake()
 
     def _wake(self) -> None:
         with contextlib.suppress(BlockingIOError, OSError):
@@ -220,6 +224,8 @@ class KVManager:
         except Exception:  # the thread ends: health() reports it, the finally fails every handle
             log.exception("kv_transfer thread crashed")
         finally:
+            with self._accept_lock:
+                self._accepting = False
             self._drain_commands()
             self.side.shutdown()
             if self.side.sock is not None:
