@@ -1,8 +1,8 @@
 """1,000 requests at concurrency 64 through a router over the fast prefill and both decodes
-(the small decode must retract): all complete, and every greedy output equals the one the
-same prompt got when run alone (a sequential run of each distinct prompt through the same
-router; greedy outputs of shorter requests are prefixes of it), which in turn equals
-transformers for a sample."""
+then a burst of long outputs that must retract on the small decode: all complete, and every
+greedy output equals the one the same prompt got when run alone (a sequential run of each
+distinct prompt through the same router; greedy outputs of shorter requests are prefixes of
+it), which in turn equals transformers for a sample."""
 
 from __future__ import annotations
 
@@ -22,7 +22,8 @@ from tests.server.server_procs import wait_until
 N_REQUESTS = 1000
 CONCURRENCY = 64
 N_PROMPTS = 100
-MAX_NEW = 32  # with 8 running on the 640-token d_small this must retract
+MAX_NEW = 32
+BURST_NEW = 200  # the burst: 8 short prompts growing to ~220 tokens each on the 640-token d_small
 
 
 @pytest.fixture(scope="module")
@@ -87,11 +88,20 @@ def test_load_outputs_equal_sequential(whole_cluster: Cluster, load_router: Rout
         assert out == hf_greedy(tiny_llama_path, prompt, MAX_NEW)
     rng = random.Random(92)
     picks = [(rng.randrange(N_PROMPTS), rng.randint(1, MAX_NEW)) for _ in range(N_REQUESTS)]
-    retractions = c.d_small.stats()["num_retractions_total"]
     bodies = [_body(prompts[i], n, stream=k % 4 == 0) for k, (i, n) in enumerate(picks)]
     outs = asyncio.run(_run(load_router.url, bodies, CONCURRENCY))
     wrong = [(k, i, n) for k, ((i, n), out) in enumerate(zip(picks, outs, strict=True)) if out != alone[i][:n]]
     assert not wrong, f"{len(wrong)} outputs differ from the sequential run, e.g. {wrong[:5]}"
+
+    # How hard the load presses d_small depends on how fast prefill feeds it (a slow machine
+    # may never fill it). This burst retracts on any machine: 16 short prompts at once, 8 of
+    # them on d_small, each growing by BURST_NEW tokens (three together already exceed 640).
+    short = next(p for p in prompts if len(p) <= 20)
+    [burst_alone] = asyncio.run(_run(load_router.url, [_body(short, BURST_NEW, False)], concurrency=1))
+    assert burst_alone[:MAX_NEW] == alone[prompts.index(short)]
+    retractions = c.d_small.stats()["num_retractions_total"]
+    burst = asyncio.run(_run(load_router.url, [_body(short, BURST_NEW, k % 2 == 0) for k in range(16)], 16))
+    assert all(out == burst_alone for out in burst), "a retracted request's output changed"
     assert c.d_small.stats()["num_retractions_total"] > retractions, "the small decode never retracted"
     c.wait_whole()
     assert wait_until(load_router.idle, 10.0), load_router.workers()
