@@ -1,22 +1,31 @@
-"""Extend attention on CPU: the torch backend's SDPA call shapes, 3-D vs 4-D inputs.
+"""Attention on CPU: the torch backend's SDPA call shapes.
 
-    python bench/attention_cpu.py [--prefix 1536] [--extend 512]
+    python bench/attention_cpu.py [--prefix 1536] [--extend 512] [--decode-batch 32]
 
-Default model's attention shape (SmolLM2-135M: 9 query heads, 3 KV heads, head_dim 64),
-bf16. torch's CPU SDPA runs its flash kernel only for 4-D inputs; 3-D inputs (what the
-backend passed before) take the math path. Prints ms per call for a chunk over a prefix
-(bool mask) and a chunk without prefix (is_causal). Last line: RESULT {json}.
+Default model's attention shape (SmolLM2-135M: 9 query heads, 3 KV heads, head_dim 64), bf16.
+1. Extend: torch's CPU SDPA runs its flash kernel only for 4-D inputs; 3-D inputs (what the
+   backend passed before) take the math path. ms per call for a chunk over a prefix (bool
+   mask) and a chunk without prefix (is_causal).
+2. Decode through TorchAttentionBackend (one layer, pages scattered over a pool): all rows in
+   one padded group (what the backend did before) vs decode_groups (length groups cut to
+   cache-sized pieces), on mixed lengths 50-768 and on uniform lengths 500.
+Last line: RESULT {json}.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import random
 import time
 from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
+
+from common.cache.kv_pool import KVPool
+from common.model.attention import AttentionShape, torch_backend
+from common.model.forward_batch import ForwardBatch, ForwardMode
 
 
 def timed(fn: Callable[[], torch.Tensor], reps: int = 10) -> float:
@@ -28,6 +37,37 @@ def timed(fn: Callable[[], torch.Tensor], reps: int = 10) -> float:
     return (time.perf_counter() - t0) / reps * 1e3
 
 
+def decode_ms(lengths: list[int], heads: int, kv_heads: int, head_dim: int) -> tuple[float, float, float]:
+    """(one group ms, grouped ms, max |diff|) for one decode layer over these sequence lengths."""
+    page = 16
+    pages_per_req = [(n + page - 1) // page for n in lengths]
+    pool = KVPool(num_layers=1, num_pages=sum(pages_per_req) + 1, page_size=page, num_kv_heads=kv_heads,
+                  head_dim=head_dim, dtype=torch.bfloat16, device="cpu")
+    pool.k_buffers[0].normal_()
+    pool.v_buffers[0].normal_()
+    free = list(range(1, pool.num_pages))
+    random.Random(0).shuffle(free)
+    r2t = torch.zeros(len(lengths), max(lengths), dtype=torch.int32)
+    for r, n in enumerate(lengths):
+        own = [free.pop() for _ in range(pages_per_req[r])]
+        r2t[r, :n] = torch.tensor([own[i // page] * page + i % page for i in range(n)], dtype=torch.int32)
+    batch = ForwardBatch.build(ForwardMode.DECODE, [1] * len(lengths), [n - 1 for n in lengths],
+                               [int(r2t[r, n - 1]) for r, n in enumerate(lengths)], list(range(len(lengths))),
+                               lengths, [n - 1 for n in lengths])
+    shape = AttentionShape(num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim, scaling=head_dim**-0.5)
+    backend = torch_backend.TorchAttentionBackend(shape=shape, kv_pool=pool, req_to_token=r2t)
+    q = torch.randn(len(lengths), heads, head_dim, dtype=torch.bfloat16)
+    grouped = torch_backend.decode_groups
+    results = []
+    for groups in (lambda n: [list(range(len(n)))], grouped):
+        torch_backend.decode_groups = groups
+        backend.init_forward_metadata(batch)
+        results.append((timed(lambda: backend.forward(q, q, q, 0, batch), reps=20), backend.forward(q, q, q, 0, batch)))
+    torch_backend.decode_groups = grouped
+    diff = (results[0][1].float() - results[1][1].float()).abs().max().item()
+    return results[0][0], results[1][0], diff
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--prefix", type=int, default=1536)
@@ -35,6 +75,7 @@ def main() -> None:
     ap.add_argument("--heads", type=int, default=9)
     ap.add_argument("--kv-heads", type=int, default=3)
     ap.add_argument("--head-dim", type=int, default=64)
+    ap.add_argument("--decode-batch", type=int, default=32)
     a = ap.parse_args()
     torch.manual_seed(0)
     e, p, d = a.extend, a.prefix, a.head_dim
@@ -64,6 +105,14 @@ def main() -> None:
     print(f"chunk {e} over prefix {p}: 3-D {res['prefix_3d_ms']:.2f} ms, 4-D {res['prefix_4d_ms']:.2f} ms "
           f"({res['speedup_prefix']:.2f}x); no prefix: 3-D {res['causal_3d_ms']:.2f} ms, 4-D {res['causal_4d_ms']:.2f} ms "
           f"({res['speedup_causal']:.2f}x); max |diff| {max_diff:.2e}")
+    rng = random.Random(1)
+    for name, lengths in (("mixed", [rng.randint(50, 768) for _ in range(a.decode_batch)]),
+                          ("uniform", [500] * a.decode_batch)):
+        one, grouped, diff = decode_ms(lengths, a.heads, a.kv_heads, d)
+        res[f"decode_{name}_one_group_ms"], res[f"decode_{name}_grouped_ms"] = one, grouped
+        res[f"decode_{name}_speedup"] = one / grouped
+        print(f"decode {a.decode_batch} rows, {name} lengths: one group {one:.2f} ms, grouped {grouped:.2f} ms "
+              f"({one / grouped:.2f}x); max |diff| {diff:.2e}")
     print("RESULT " + json.dumps({k2: round(v2, 4) for k2, v2 in res.items()}))
 
 

@@ -3,8 +3,10 @@
 Runs on any device. Per step (init_forward_metadata) the requests are split:
 
     single-token requests (all of DECODE, the decode part of MIXED)
-        -> one batched SDPA over K/V gathered to a padded [n, L] slot table + a length mask
-           (the GQA group folds into the query axis: q [n, Hkv, G, D] vs k [n, Hkv, L, D])
+        -> sorted by length and cut into a few groups (decode_groups); per group one batched
+           SDPA over K/V gathered to a padded [n, L] slot table + a length mask (the GQA group
+           folds into the query axis: q [n, Hkv, G, D] vs k [n, Hkv, L, D]). One group padded
+           to the longest sequence ran 2.7x slower on mixed lengths (bench/attention_cpu.py).
     multi-token requests (EXTEND chunks)
         -> one SDPA per request over its whole sequence, causal w.r.t. its extend part:
 
@@ -22,6 +24,51 @@ import torch.nn.functional as F
 from common.cache.kv_pool import KVPool
 from common.model.attention.base import AttentionBackend, AttentionShape
 from common.model.forward_batch import ForwardBatch
+
+# Per-group fixed cost (gather + SDPA call + index ops) in padded K/V rows it is worth.
+GROUP_OVERHEAD_ROWS = 256
+MAX_CUT_POINTS = 16
+# A group's gathered K (and V) stays under ~1.5 MiB for a 3 x 64 bf16 head layout: SDPA over
+# K/V that fit in cache ran 3-4x faster per row than over one big gather (bench/attention_cpu.py).
+MAX_GROUP_KV_ROWS = 4096
+
+
+def decode_groups(lengths: list[int]) -> list[list[int]]:
+    """Split rows into groups that each pad to their own longest length, minimising
+    sum(rows x longest) + GROUP_OVERHEAD_ROWS per group, then cut each group into pieces of at
+    most MAX_GROUP_KV_ROWS padded K/V rows. Rows are sorted by length (longest first) and
+    cut only at up to MAX_CUT_POINTS evenly spaced places, so the DP is tiny:
+
+        sorted lengths   700 690 650 | 400 380 | 120 90 60 40
+        padded cost      3 x 700     + 2 x 400 + 4 x 120       (+ 3 x overhead)
+    """
+    groups = []
+    for group in _length_groups(lengths):
+        rows = max(1, MAX_GROUP_KV_ROWS // max(lengths[r] for r in group))
+        groups += [group[i : i + rows] for i in range(0, len(group), rows)]
+    return groups
+
+
+def _length_groups(lengths: list[int]) -> list[list[int]]:
+    order = sorted(range(len(lengths)), key=lambda r: -lengths[r])
+    n = len(order)
+    if n <= 1:
+        return [order]
+    step = max(1, -(-n // MAX_CUT_POINTS))
+    cuts = [*range(0, n, step), n]
+    best = [0.0] + [float("inf")] * (len(cuts) - 1)
+    prev = [0] * len(cuts)
+    for j in range(1, len(cuts)):
+        for i in range(j):
+            cost = best[i] + (cuts[j] - cuts[i]) * lengths[order[cuts[i]]] + GROUP_OVERHEAD_ROWS
+            if cost < best[j]:
+                best[j], prev[j] = cost, i
+    groups: list[list[int]] = []
+    j = len(cuts) - 1
+    while j > 0:
+        groups.append(order[cuts[prev[j]] : cuts[j]])
+        j = prev[j]
+    return groups[::-1] if len(groups) > 1 else [list(range(n))]  # one group keeps the batch order
 
 
 @dataclass
@@ -42,7 +89,7 @@ class _ExtendSeq:
 class TorchAttentionBackend(AttentionBackend):
     def __init__(self, *, shape: AttentionShape, kv_pool: KVPool, req_to_token: torch.Tensor) -> None:
         super().__init__(shape=shape, kv_pool=kv_pool, req_to_token=req_to_token)
-        self._decode: _DecodeGroup | None = None
+        self._decode: list[_DecodeGroup] = []
         self._extends: list[_ExtendSeq] = []
 
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
@@ -56,18 +103,21 @@ class TorchAttentionBackend(AttentionBackend):
         max_len = max(batch.seq_lens_cpu, default=0)
         table = self.req_to_token[batch.req_pool_indices, :max_len].to(torch.int64)  # [bs, max_len]
 
-        self._decode = None
-        if single:
-            all_single = len(single) == len(ext)
-            rows = torch.tensor(single, dtype=torch.int64, device=device)
-            seq_lens = batch.seq_lens if all_single else batch.seq_lens[rows]
-            length = max(batch.seq_lens_cpu[r] for r in single)
-            kv_index = table[:, :length] if all_single else table[rows, :length]
+        self._decode = []
+        for group in decode_groups([batch.seq_lens_cpu[r] for r in single]) if single else []:
+            rows_cpu = [single[i] for i in group]
+            in_order = rows_cpu == list(range(len(ext)))
+            rows = torch.tensor(rows_cpu, dtype=torch.int64, device=device)
+            seq_lens = batch.seq_lens if in_order else batch.seq_lens[rows]
+            length = max(batch.seq_lens_cpu[r] for r in rows_cpu)
+            kv_index = table[:, :length] if in_order else table[rows, :length]
             valid = torch.arange(length, device=device)[None, :] < seq_lens[:, None]
-            self._decode = _DecodeGroup(
-                token_index=None if all_single else torch.tensor([starts[r] for r in single], device=device),
-                kv_index=kv_index.masked_fill(~valid, 0),
-                mask=valid[:, None, None, :],
+            self._decode.append(
+                _DecodeGroup(
+                    token_index=None if in_order else torch.tensor([starts[r] for r in rows_cpu], device=device),
+                    kv_index=kv_index.masked_fill(~valid, 0),
+                    mask=valid[:, None, None, :],
+                )
             )
 
         self._extends = []
@@ -85,8 +135,8 @@ class TorchAttentionBackend(AttentionBackend):
         k_buf = self.kv_pool.k_buffers[layer_id]
         v_buf = self.kv_pool.v_buffers[layer_id]
         out = q.new_empty(num_tokens, num_heads * head_dim)
-        if self._decode is not None:
-            self._forward_decode(q, k_buf, v_buf, out, self._decode)
+        for group in self._decode:
+            self._forward_decode(q, k_buf, v_buf, out, group)
         for seq in self._extends:
             rows = slice(seq.start, seq.start + seq.length)
             kk = _gather(k_buf, seq.kv_index, q.dtype).transpose(0, 1)  # [Hkv, S, D]
