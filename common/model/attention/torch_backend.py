@@ -74,8 +74,8 @@ def _length_groups(lengths: list[int]) -> list[list[int]]:
 @dataclass
 class _DecodeGroup:
     token_index: torch.Tensor | None  # [n] rows of the packed tokens; None = all tokens in order
-    kv_index: torch.Tensor  # [n, L] int64 slots, padding points at the reserved slot 0
-    mask: torch.Tensor  # [n, 1, 1, L] bool, True = attend
+    kv_pages: torch.Tensor  # [n, P] int64 pages of each row, padding points at the reserved page 0
+    mask: torch.Tensor  # [n, 1, 1, P * page_size] bool, True = attend
 
 
 @dataclass
@@ -104,18 +104,20 @@ class TorchAttentionBackend(AttentionBackend):
         table = self.req_to_token[batch.req_pool_indices, :max_len].to(torch.int64)  # [bs, max_len]
 
         self._decode = []
+        ps = self.kv_pool.page_size
         for group in decode_groups([batch.seq_lens_cpu[r] for r in single]) if single else []:
             rows_cpu = [single[i] for i in group]
             in_order = rows_cpu == list(range(len(ext)))
             rows = torch.tensor(rows_cpu, dtype=torch.int64, device=device)
             seq_lens = batch.seq_lens if in_order else batch.seq_lens[rows]
             length = max(batch.seq_lens_cpu[r] for r in rows_cpu)
-            kv_index = table[:, :length] if in_order else table[rows, :length]
+            page_starts = table[:, :length:ps] if in_order else table[rows, :length:ps]  # [n, pages]
+            length = page_starts.shape[1] * ps  # padded to whole pages: gathered page by page
             valid = torch.arange(length, device=device)[None, :] < seq_lens[:, None]
             self._decode.append(
                 _DecodeGroup(
                     token_index=None if in_order else torch.tensor([starts[r] for r in rows_cpu], device=device),
-                    kv_index=kv_index.masked_fill(~valid, 0),
+                    kv_pages=page_starts.masked_fill(~valid[:, ::ps], 0) // ps,
                     mask=valid[:, None, None, :],
                 )
             )
@@ -158,11 +160,11 @@ class TorchAttentionBackend(AttentionBackend):
     def _forward_decode(
         self, q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, out: torch.Tensor, g: _DecodeGroup
     ) -> None:
-        n, length = g.kv_index.shape
+        n, length = g.mask.shape[0], g.mask.shape[-1]
         hkv, d = self.shape.num_kv_heads, self.shape.head_dim
-        flat = g.kv_index.reshape(-1)
-        kk = _gather(k_buf, flat, q.dtype).view(n, length, hkv, d).transpose(1, 2)  # [n, Hkv, L, D]
-        vv = _gather(v_buf, flat, q.dtype).view(n, length, hkv, d).transpose(1, 2)
+        pages = g.kv_pages.reshape(-1)
+        kk = _gather_pages(k_buf, pages, self.kv_pool.page_size, q.dtype).view(n, length, hkv, d).transpose(1, 2)  # [n, Hkv, L, D]
+        vv = _gather_pages(v_buf, pages, self.kv_pool.page_size, q.dtype).view(n, length, hkv, d).transpose(1, 2)
         qq = q if g.token_index is None else q.index_select(0, g.token_index)
         qq = qq.view(n, hkv, self.shape.group_size, d)  # GQA group folded into the query axis
         o = F.scaled_dot_product_attention(qq, kk, vv, attn_mask=g.mask, scale=self.shape.scaling)
@@ -177,4 +179,12 @@ def _gather(buf: torch.Tensor, slots: torch.Tensor, dtype: torch.dtype) -> torch
     """buf[slots] as [n, Hkv, D] in `dtype`. NOTE: index_select on the 2-D [slots, Hkv*D] view is
     far faster on CPU than on the 3-D buffer (a per-element path, very slow for bf16)."""
     rows = buf.view(buf.shape[0], -1).index_select(0, slots)
+    return rows.view(-1, *buf.shape[1:]).to(dtype)
+
+
+
+def _gather_pages(buf: torch.Tensor, pages: torch.Tensor, page_size: int, dtype: torch.dtype) -> torch.Tensor:
+    """The slots of `pages`, page after page, as [len(pages) * page_size, Hkv, D] in `dtype`:
+    one row copy per page rather than per token."""
+    rows = buf.view(buf.shape[0] // page_size, -1).index_select(0, pages)
     return rows.view(-1, *buf.shape[1:]).to(dtype)
