@@ -38,7 +38,6 @@ def token_text(t: int) -> str:
 class Behavior:
     fail_status: int | None = None  # answer /generate with this status ...
     fail_count: int = -1  # ... for this many requests (-1: all)
-    fail_probes: bool = True  # False: the router's readiness probes (rid "health-...") never fail
     delay_s: float = 0.0  # before the first byte / the response
     token_delay_s: float = 0.0  # between streamed tokens
     die_after_tokens: int | None = None  # stream N tokens, then kill the process
@@ -111,8 +110,7 @@ def build_app(role: str, behavior: Behavior) -> FastAPI:
             s.rooms.append(body["bootstrap_room"])
         if (role == "colocated") == has_boot:
             return err(400, f"bootstrap fields {'not ' if has_boot else ''}expected on a {role} worker", "bad")
-        is_probe = str(body.get("rid", "")).startswith("health-")
-        if b.fail_status is not None and b.fail_count != 0 and (b.fail_probes or not is_probe):
+        if b.fail_status is not None and b.fail_count != 0:
             b.fail_count -= 1 if b.fail_count > 0 else 0
             if b.delay_s and not await _sleep_unless_gone(request, b.delay_s):
                 s.aborted += 1

@@ -91,8 +91,8 @@ def test_worker_death_retry_all_down_and_runtime_add(cluster: Cluster) -> None:
     assert d3.stats()["generate"] == 3
 
 
-# Timing-bound steps (an answer within 1 s while decode delays 1 s) miss on a loaded box now and
-# then; the probes no longer take the injected failures (fail_probes=False).
+# The last step races the router's periodic readiness probe (it may take the one injected
+# failure before the client's request does): retried on that rare miss.
 @pytest.mark.flaky(reruns=2)
 def test_prefill_failure_before_first_token_is_an_error(cluster: Cluster) -> None:
     p, d = cluster.stubs("prefill", "decode")
@@ -134,13 +134,12 @@ def test_prefill_failure_before_first_token_is_an_error(cluster: Cluster) -> Non
     # A transient prefill failure is retried with a new pair and room, and succeeds.
     p.reset()
     d.reset()
-    p.control(fail_status=503, fail_count=1, fail_probes=False)  # probes keep running meanwhile
+    p.control(fail_status=503, fail_count=1)
     resp = post(r, COMP)
     assert resp.status_code == 200, resp.text
     ps = p.stats()
-    rooms = [room for rid, room in zip(ps["rids"], ps["rooms"], strict=True) if not rid.startswith("health-")]
-    assert len(rooms) == 2 and rooms[0] != rooms[1]
-    assert rooms[1] in d.stats()["rooms"]
+    assert ps["generate"] == 2 and ps["rooms"][0] != ps["rooms"][1]
+    assert d.stats()["rooms"][-1] == ps["rooms"][1]
 
 
 def test_decode_failures(cluster: Cluster) -> None:
