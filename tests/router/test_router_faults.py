@@ -134,6 +134,9 @@ def test_prefill_failure_before_first_token_is_an_error(cluster: Cluster) -> Non
     # A transient prefill failure is retried with a new pair and room, and succeeds.
     p.reset()
     d.reset()
+    # Decode answers only after prefill's verdict, as a real decode (it waits for the KV) does;
+    # an instant stub decode would race the 503 and win with its own 200.
+    d.control(delay_s=0.3)
     p.control(fail_status=503, fail_count=1)
     resp = post(r, COMP)
     assert resp.status_code == 200, resp.text
