@@ -138,7 +138,7 @@ class KVManager:
         by itself: the owner reports it (/health 503) and refuses new requests."""
         if self._closed:
             return "KV transfer manager is shut down"
-        if not self._accepting or not self._thread.is_alive():
+        if not self._accepting:  # the thread's exit clears it first thing
             return "KV transfer thread is not running (see the log for its crash)"
         stalled = time.monotonic() - self._loop_at
         if stalled > self.cfg.stall_report_s:

@@ -6,7 +6,7 @@ Runs on any device. Per step (init_forward_metadata) the requests are split:
         -> sorted by length and cut into a few groups (decode_groups); per group one batched
            SDPA over K/V gathered to a padded [n, L] slot table + a length mask (the GQA group
            folds into the query axis: q [n, Hkv, G, D] vs k [n, Hkv, L, D]). One group padded
-           to the longest sequence ran 2.7x slower on mixed lengths (bench/attention_cpu.py).
+           to the longest sequence ran 2-2.5x slower on mixed lengths (bench/attention_cpu.py).
     multi-token requests (EXTEND chunks)
         -> one SDPA per request over its whole sequence, causal w.r.t. its extend part:
 
@@ -29,7 +29,8 @@ from common.model.forward_batch import ForwardBatch
 GROUP_OVERHEAD_ROWS = 256
 MAX_CUT_POINTS = 16
 # A group's gathered K (and V) stays under ~1.5 MiB for a 3 x 64 bf16 head layout: SDPA over
-# K/V that fit in cache ran 3-4x faster per row than over one big gather (bench/attention_cpu.py).
+# cache-sized pieces ran 1.1-1.5x faster than over one gather of 32-64 rows of equal length
+# 500 (bench/attention_cpu.py, "uniform").
 MAX_GROUP_KV_ROWS = 4096
 
 
@@ -162,9 +163,9 @@ class TorchAttentionBackend(AttentionBackend):
     ) -> None:
         n, length = g.mask.shape[0], g.mask.shape[-1]
         hkv, d = self.shape.num_kv_heads, self.shape.head_dim
-        pages = g.kv_pages.reshape(-1)
-        kk = _gather_pages(k_buf, pages, self.kv_pool.page_size, q.dtype).view(n, length, hkv, d).transpose(1, 2)  # [n, Hkv, L, D]
-        vv = _gather_pages(v_buf, pages, self.kv_pool.page_size, q.dtype).view(n, length, hkv, d).transpose(1, 2)
+        pages, ps = g.kv_pages.reshape(-1), self.kv_pool.page_size
+        kk = _gather(k_buf, pages, q.dtype, ps).view(n, length, hkv, d).transpose(1, 2)  # [n, Hkv, L, D]
+        vv = _gather(v_buf, pages, q.dtype, ps).view(n, length, hkv, d).transpose(1, 2)
         qq = q if g.token_index is None else q.index_select(0, g.token_index)
         qq = qq.view(n, hkv, self.shape.group_size, d)  # GQA group folded into the query axis
         o = F.scaled_dot_product_attention(qq, kk, vv, attn_mask=g.mask, scale=self.shape.scaling)
@@ -175,16 +176,10 @@ class TorchAttentionBackend(AttentionBackend):
             out.index_copy_(0, g.token_index, o)
 
 
-def _gather(buf: torch.Tensor, slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """buf[slots] as [n, Hkv, D] in `dtype`. NOTE: index_select on the 2-D [slots, Hkv*D] view is
-    far faster on CPU than on the 3-D buffer (a per-element path, very slow for bf16)."""
-    rows = buf.view(buf.shape[0], -1).index_select(0, slots)
-    return rows.view(-1, *buf.shape[1:]).to(dtype)
-
-
-
-def _gather_pages(buf: torch.Tensor, pages: torch.Tensor, page_size: int, dtype: torch.dtype) -> torch.Tensor:
-    """The slots of `pages`, page after page, as [len(pages) * page_size, Hkv, D] in `dtype`:
-    one row copy per page rather than per token."""
-    rows = buf.view(buf.shape[0] // page_size, -1).index_select(0, pages)
+def _gather(buf: torch.Tensor, index: torch.Tensor, dtype: torch.dtype, slots_per_index: int = 1) -> torch.Tensor:
+    """The slots of `index` (slots, or pages with slots_per_index = page_size: one row copy per
+    page rather than per token), in order, as [len(index) * slots_per_index, Hkv, D] in `dtype`.
+    NOTE: index_select on the 2-D [rows, slots_per_index*Hkv*D] view is far faster on CPU than
+    on the 3-D buffer (a per-element path, very slow for bf16)."""
+    rows = buf.view(buf.shape[0] // slots_per_index, -1).index_select(0, index)
     return rows.view(-1, *buf.shape[1:]).to(dtype)
