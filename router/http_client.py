@@ -23,6 +23,8 @@ import time
 from collections.abc import AsyncIterator
 from urllib.parse import urlsplit
 
+from common.timeouts import wait_within
+
 
 class HttpError(Exception):
     pass
@@ -123,9 +125,9 @@ class _OriginPool:
                 return conn, True
             conn.close()
         try:
-            reader, writer = await asyncio.wait_for(asyncio.open_connection(self.host, self.port),
-                                                    self.connect_timeout)
-        except (OSError, TimeoutError) as e:
+            reader, writer = await wait_within(asyncio.open_connection(self.host, self.port),
+                                               self.connect_timeout, discard=lambda rw: rw[1].close())
+        except (OSError, asyncio.TimeoutError) as e:
             self.slots.release()
             raise ConnectFailed(f"cannot connect to {self.host}:{self.port}: {e or type(e).__name__}") from None
         except BaseException:

@@ -30,6 +30,7 @@ from common.server.metrics import FrontendMetrics
 from common.server.protocol import ApiError, GenerateRequestBody, bad_request
 from common.server.req_state import Chunk, ReqState, merge_chunks
 from common.server.server_args import ServerArgs
+from common.timeouts import wait_within
 
 logger = logging.getLogger(__name__)
 
@@ -162,7 +163,7 @@ class TokenizerManager:
             return await state.queue.get()
         remaining = state.created_at + timeout - time.monotonic()
         try:
-            return await asyncio.wait_for(state.queue.get(), max(remaining, 0.0))
+            return await wait_within(state.queue.get(), max(remaining, 0.0))
         except asyncio.TimeoutError:
             state.finished = True
             raise ApiError(504, f"request {state.rid} timed out after {timeout}s", "timeout") from None
@@ -199,7 +200,7 @@ class TokenizerManager:
         try:
             if not self.channel.send_nowait(StatsReq(seq=seq)):
                 raise ApiError(503, "the engine is not taking messages")
-            stats = await asyncio.wait_for(fut, timeout_s)
+            stats = await wait_within(fut, timeout_s)
         except asyncio.TimeoutError:
             self.metrics.engine.up = False
             raise ApiError(503, f"the engine did not answer a stats probe within {timeout_s}s") from None

@@ -16,7 +16,7 @@ import asyncio
 import dataclasses
 import json
 import os
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -157,42 +157,63 @@ def build_app(role: str, behavior: Behavior) -> FastAPI:
             return JSONResponse({"text": text if role != "prefill" else "", "output_ids": out_ids,
                                  "meta_info": meta([], out_ids, True)})
 
+        ended = False  # the stream ran to its end (tokens + [DONE], or an in-band error)
+
         async def events() -> AsyncIterator[bytes]:
-            try:
-                if b.delay_s:
-                    await asyncio.sleep(b.delay_s)
-                groups = [[t] for t in tokens] if b.events_per_token else [tokens]
-                sent: list[int] = []
-                if not groups:
-                    groups = [[]]
-                for gi, group in enumerate(groups):
-                    if b.die_after_tokens is not None and len(sent) >= b.die_after_tokens:
-                        await asyncio.sleep(0.05)
-                        os._exit(1)
-                    if b.error_after_tokens is not None and len(sent) >= b.error_after_tokens:
-                        s.failed += 1
-                        yield b'data: {"error": {"message": "stub in-band failure", "type": "kv_transfer_failed",'
-                        yield b' "code": 500}}\n\ndata: [DONE]\n\n'
-                        return
-                    final = gi == len(groups) - 1
-                    ev = {"text": "".join(token_text(t) for t in group), "output_ids": group,
-                          "meta_info": meta(sent, group, final)}
-                    if final and finish["type"] == "stop":
-                        ev["text"] = text[len("".join(token_text(t) for t in sent)):]
-                    sent += group
-                    yield b"data: " + json.dumps(ev).encode() + b"\n\n"
-                    if b.token_delay_s and not final:
-                        await asyncio.sleep(b.token_delay_s)
-                yield b"data: [DONE]\n\n"
-                s.completed += 1
-            except (asyncio.CancelledError, GeneratorExit):
+            nonlocal ended
+            if b.delay_s:
+                await asyncio.sleep(b.delay_s)
+            groups = [[t] for t in tokens] if b.events_per_token else [tokens]
+            sent: list[int] = []
+            if not groups:
+                groups = [[]]
+            for gi, group in enumerate(groups):
+                if b.die_after_tokens is not None and len(sent) >= b.die_after_tokens:
+                    await asyncio.sleep(0.05)
+                    os._exit(1)
+                if b.error_after_tokens is not None and len(sent) >= b.error_after_tokens:
+                    s.failed += 1
+                    yield b'data: {"error": {"message": "stub in-band failure", "type": "kv_transfer_failed",'
+                    yield b' "code": 500}}\n\ndata: [DONE]\n\n'
+                    ended = True
+                    return
+                final = gi == len(groups) - 1
+                ev = {"text": "".join(token_text(t) for t in group), "output_ids": group,
+                      "meta_info": meta(sent, group, final)}
+                if final and finish["type"] == "stop":
+                    ev["text"] = text[len("".join(token_text(t) for t in sent)):]
+                sent += group
+                yield b"data: " + json.dumps(ev).encode() + b"\n\n"
+                if b.token_delay_s and not final:
+                    await asyncio.sleep(b.token_delay_s)
+            yield b"data: [DONE]\n\n"
+            s.completed += 1
+            ended = True
+
+        def count_abort() -> None:
+            if not ended:
                 s.aborted += 1
                 s.aborted_rids.append(body.get("rid", ""))
-                raise
 
-        return StreamingResponse(events(), media_type="text/event-stream")
+        return _StreamThenCount(events(), count_abort)
 
     return app
+
+
+class _StreamThenCount(StreamingResponse):
+    """Calls `after` once the response is over, however it ended. A client gone before the
+    first chunk cancels the response before its generator ever starts, so the generator
+    itself cannot count that abort."""
+
+    def __init__(self, content: AsyncIterator[bytes], after: Callable[[], None]) -> None:
+        super().__init__(content, media_type="text/event-stream")
+        self.after = after
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.after()
 
 
 async def _sleep_unless_gone(request: Request, seconds: float) -> bool:
