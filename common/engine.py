@@ -147,6 +147,9 @@ class Engine:
         lps = [lp for o in outs for lp in (o.new_token_logprobs or [])]
         if lps:
             meta["output_token_logprobs"] = [[lp, t] for lp, t in zip(lps, ids, strict=False)]
+        tops = [pos for o in outs for pos in (o.new_top_logprobs or [])]
+        if tops:
+            meta["output_top_logprobs"] = [[[lp, t] for t, lp in pos] for pos in tops]
         return {"text": text, "output_ids": ids, "meta_info": meta}
 
     def check_integrity(self) -> None:

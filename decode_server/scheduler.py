@@ -146,6 +146,8 @@ class DecodeScheduler(Scheduler):
         req.output_ids.append(row.first_token)
         if req.return_logprob and row.logprob is not None:
             req.output_logprobs.append(row.logprob)
+            if req.top_logprobs_num:
+                req.output_top_logprobs.append(list(row.top_logprobs[: req.top_logprobs_num]))
         req.cached_tokens = row.cached_tokens
         req.needs_sampler_reset = True
         reason = req.check_finished(row.first_token)

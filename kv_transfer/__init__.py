@@ -33,7 +33,7 @@ Decode engine
     receiver.init(dst_page_ids, aux_slot)           # -> Transferring
     # poll() -> Success (prefill's status message arrived AND the aux row has our room)
     #        -> Failed (receiver.failure_reason / failure_cause)
-    receiver.aux_row()                              # AuxRow(first_token, cached_tokens, logprob, room)
+    receiver.aux_row()                              # AuxRow(first_token, cached_tokens, logprob, room, top_logprobs)
     receiver.abort(reason)
     receiver.pages_releasable()                     # free the pages only when True (after a
                                                     # failure: prefill's drain ack or drain timeout)

@@ -1,16 +1,19 @@
 """Aux rows: the small per-request record that travels with the last KV send.
 
-    aux tensor: uint8 [num_slots, ROW_BYTES]   (ROW_BYTES = 64, the RDMA-friendly minimum)
+    aux tensor: uint8 [num_slots, ROW_BYTES]   (ROW_BYTES = 384, a multiple of 64)
 
     row layout (little endian)
-    +--------+--------+-------------+---------------+---------+-------------+---------+
-    | magic  | room   | first_token | cached_tokens | logprob | has_logprob | padding |
-    | u64 0  | i64 8  | i64 16      | i64 24        | f64 32  | u8 40       | 41..63  |
-    +--------+--------+-------------+---------------+---------+-------------+---------+
+    +--------+--------+-------------+---------------+---------+-------------+---------+---------+
+    | magic  | room   | first_token | cached_tokens | logprob | has_logprob | num_top | padding |
+    | u64 0  | i64 8  | i64 16      | i64 24        | f64 32  | u8 40       | u8 41   | 42..47  |
+    +--------+--------+-------------+---------------+---------+-------------+---------+---------+
+    | top logprobs of the first token: MAX_TOP_LOGPROBS x (token i64, logprob f64) | 48..367 |
+    +------------------------------------------------------------------------------+---------+
 
 Decode clears its row at receiver.init() and accepts the transfer only when the row
 carries the magic and the expected room. Decode's scheduler allocates aux slots with an
 AuxSlotAllocator; prefill's KVManager allocates its own source rows internally.
+Both sides check each other's ROW_BYTES at registration (a v1 peer is refused).
 """
 
 from __future__ import annotations
@@ -20,9 +23,13 @@ from dataclasses import dataclass
 
 import torch
 
-ROW_BYTES = 64
-_ROW = struct.Struct("<Qqqqd?")
-_MAGIC = 0x4B56_5852_4F57_0001  # "KVXROW" v1
+from common.server.protocol import MAX_TOP_LOGPROBS
+
+_HEAD = struct.Struct("<QqqqdBB6x")
+_TOP = struct.Struct("<qd")
+ROW_BYTES = 384
+_MAGIC = 0x4B56_5852_4F57_0002  # "KVXROW" v2
+assert _HEAD.size + MAX_TOP_LOGPROBS * _TOP.size <= ROW_BYTES and ROW_BYTES % 64 == 0
 
 
 @dataclass(frozen=True)
@@ -31,6 +38,7 @@ class AuxRow:
     cached_tokens: int = 0
     logprob: float | None = None
     room: int = 0  # set by the sender; callers need not fill it
+    top_logprobs: tuple[tuple[int, float], ...] = ()  # (token id, logprob) of the first token's top k
 
 
 class AuxBuffer:
@@ -49,14 +57,17 @@ class AuxBuffer:
 
     def write_row(self, slot: int, row: AuxRow) -> None:
         self._check(slot)
-        packed = _ROW.pack(
+        if len(row.top_logprobs) > MAX_TOP_LOGPROBS:
+            raise ValueError(f"{len(row.top_logprobs)} top logprobs do not fit an aux row (max {MAX_TOP_LOGPROBS})")
+        packed = _HEAD.pack(
             _MAGIC,
             row.room,
             row.first_token,
             row.cached_tokens,
             0.0 if row.logprob is None else row.logprob,
             row.logprob is not None,
-        )
+            len(row.top_logprobs),
+        ) + b"".join(_TOP.pack(token, lp) for token, lp in row.top_logprobs)
         data = torch.frombuffer(bytearray(packed.ljust(ROW_BYTES, b"\0")), dtype=torch.uint8)
         self.tensor[slot].copy_(data)
 
@@ -64,10 +75,12 @@ class AuxBuffer:
         """The row at `slot`, or None when it was cleared / never written."""
         self._check(slot)
         raw = self.tensor[slot].numpy().tobytes()
-        magic, room, first, cached, logprob, has_lp = _ROW.unpack_from(raw)
-        if magic != _MAGIC:
+        magic, room, first, cached, logprob, has_lp, num_top = _HEAD.unpack_from(raw)
+        if magic != _MAGIC or num_top > MAX_TOP_LOGPROBS:
             return None
-        return AuxRow(first_token=first, cached_tokens=cached, logprob=logprob if has_lp else None, room=room)
+        top = tuple(_TOP.unpack_from(raw, _HEAD.size + i * _TOP.size) for i in range(num_top))
+        return AuxRow(first_token=first, cached_tokens=cached, logprob=logprob if has_lp else None, room=room,
+                      top_logprobs=top)
 
     def clear_row(self, slot: int) -> None:
         self._check(slot)

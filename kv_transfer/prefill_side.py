@@ -11,6 +11,7 @@ Runs only in the KVManager's background thread. Per room:
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -249,7 +250,7 @@ class PrefillSide(Side):
 
     def _post_aux(self, room: _Room, peer: _DecodePeer, aux: AuxRow) -> None:
         assert room.src_aux is not None
-        self.aux.write_row(room.src_aux, AuxRow(aux.first_token, aux.cached_tokens, aux.logprob, room.sender.room))
+        self.aux.write_row(room.src_aux, dataclasses.replace(aux, room=room.sender.room))
         rb = self.aux.row_bytes
         local = np.array([[self.endpoint.aux_base + room.src_aux * rb, rb, 0]], dtype=np.uint64)
         remote = np.array([[peer.reg.aux_base + room.dst_aux * rb, rb, 0]], dtype=np.uint64)

@@ -110,7 +110,9 @@ class PrefillScheduler(Scheduler):
         aux = None
         if is_last:
             logprob = req.output_logprobs[0] if req.output_logprobs else None
-            aux = AuxRow(first_token=req.output_ids[0], cached_tokens=req.cached_tokens, logprob=logprob)
+            top = tuple(req.output_top_logprobs[0]) if req.output_top_logprobs else ()
+            aux = AuxRow(first_token=req.output_ids[0], cached_tokens=req.cached_tokens, logprob=logprob,
+                         top_logprobs=top)
         sender.send(pages, is_last=is_last, aux=aux)
         req.extra.setdefault("t_first_send", time.monotonic())
         req.extra[PAGES_SENT] = last

@@ -15,6 +15,7 @@ from typing import Any
 import msgspec
 
 from common.sampling_params import SamplingParams
+from common.server.protocol import MAX_TOP_LOGPROBS
 from router.errors import ApiError, bad_request
 from router.fields import get_bool, get_float, get_int, get_stop, get_str, get_token_ids
 from router.model_info import ModelInfo
@@ -25,7 +26,6 @@ SGLANG_EXTRAS = ("top_k", "min_p", "repetition_penalty", "ignore_eos", "stop_tok
 GENERATE_KEYS = frozenset(
     {"text", "input_ids", "sampling_params", "stream", "rid", "return_logprob", "top_logprobs_num", "priority"}
 )
-MAX_TOP_LOGPROBS = 20
 
 
 class RequestParser:

@@ -8,6 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from common.server.protocol import MAX_TOP_LOGPROBS
 from kv_transfer import (
     AuxBuffer,
     AuxRow,
@@ -19,6 +20,7 @@ from kv_transfer import (
     TransferConfig,
     min_poll,
 )
+from kv_transfer.aux_buffer import ROW_BYTES
 from kv_transfer.base import StateCell
 from kv_transfer.descriptors import build_descs, coalesce_pages, coalesce_runs
 from kv_transfer.faults import FaultInjector, InjectedFault
@@ -72,9 +74,14 @@ def test_build_descs_one_per_buffer_and_run() -> None:
 
 def test_aux_rows_and_slots() -> None:
     aux = AuxBuffer(4)
-    assert aux.tensor.shape == (4, 64) and aux.read_row(2) is None
+    assert aux.tensor.shape == (4, ROW_BYTES) and ROW_BYTES % 64 == 0 and aux.read_row(2) is None
     aux.write_row(2, AuxRow(first_token=17, cached_tokens=3, logprob=-1.5, room=2**63 - 1))
     assert aux.read_row(2) == AuxRow(17, 3, -1.5, 2**63 - 1)
+    top = tuple((t, -0.25 * t) for t in range(MAX_TOP_LOGPROBS))  # the first token's top k, all of it
+    aux.write_row(3, AuxRow(first_token=0, logprob=-0.0, room=9, top_logprobs=top))
+    assert aux.read_row(3) == AuxRow(0, 0, -0.0, 9, top)
+    with pytest.raises(ValueError, match="do not fit"):
+        aux.write_row(3, AuxRow(first_token=0, top_logprobs=((1, -1.0),) * (MAX_TOP_LOGPROBS + 1)))
     aux.write_row(1, AuxRow(first_token=5))
     assert aux.read_row(1) == AuxRow(5, 0, None, 0)
     aux.clear_row(2)
