@@ -78,3 +78,35 @@ def test_logprobs_through_pd_equal_colocated(pair: PDPair, tiny_llama_path: str)
             assert [t for _, t in got_k] == [t for _, t in want_k]
             assert [lp for lp, _ in got_k] == pytest.approx([lp for lp, _ in want_k], abs=1e-4)
     pair.wait_whole()
+
+
+def test_stops_on_the_first_token_and_later_equal_colocated(pair: PDPair, tiny_llama_path: str) -> None:
+    """Stop strings and stop token ids matched on the first token (sampled on prefill) or on a
+    later one (decode) end the request exactly where the colocated engine ends it."""
+    prompts = [list(range(20, 60)), list(range(100, 131))]
+    engine = Engine(tiny_llama_path, dtype="float32", page_size=4, chunked_prefill_size=32, max_total_tokens=4096)
+    try:
+        plain = engine.generate(input_ids=prompts, sampling_params={"max_new_tokens": 8, "temperature": 0,
+                                                                  "ignore_eos": True})
+        cases = []
+        for prompt, out in zip(prompts, plain, strict=True):
+            ids, text = out["output_ids"], out["text"]
+            cases += [(prompt, {"stop_token_ids": [ids[0]]}), (prompt, {"stop_token_ids": [ids[3]]})]
+            if text.strip():
+                cases += [(prompt, {"stop": [text.strip()[:1]]}), (prompt, {"stop": [text.strip()[-2:]]})]
+        assert len(cases) >= 6
+        expected = engine.generate(input_ids=[p for p, _ in cases], sampling_params=[
+            {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True, **extra} for _, extra in cases])
+        engine.check_integrity()
+    finally:
+        engine.shutdown()
+    bodies = [pair.body(prompt, 8, stream=i % 2 == 0, **extra) for i, (prompt, extra) in enumerate(cases)]
+    for (_, extra), exp, res in zip(cases, expected, pair.run(bodies), strict=True):
+        assert res.error is None, res.error
+        assert exp["meta_info"]["finish_reason"]["type"] == "stop", (extra, exp)
+        last = res.events[-1]["meta_info"]
+        assert last["finish_reason"] == exp["meta_info"]["finish_reason"], extra
+        assert "".join(ev["text"] for ev in res.events) == exp["text"], extra
+        assert last["completion_tokens"] == exp["meta_info"]["completion_tokens"], extra
+        assert res.output_ids == exp["output_ids"], extra
+    pair.wait_whole()
