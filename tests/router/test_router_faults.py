@@ -91,8 +91,8 @@ def test_worker_death_retry_all_down_and_runtime_add(cluster: Cluster) -> None:
     assert d3.stats()["generate"] == 3
 
 
-# The last step races the router's periodic readiness probe (it may take the one injected
-# failure before the client's request does): retried on that rare miss.
+# Once the router is ready it probes with GET /health only (no more round trips through
+# /generate), so the one injected failure of the last step goes to the client's request.
 def test_prefill_failure_before_first_token_is_an_error(cluster: Cluster) -> None:
     p, d = cluster.stubs("prefill", "decode")
     p.control(fail_status=500)
