@@ -196,6 +196,23 @@ def test_pd_retraction_keeps_outputs_exact(small_decode: PDPair, tiny_llama_path
     small_decode.wait_whole()
 
 
+def test_pd_retraction_keeps_sampled_outputs_exact(small_decode: PDPair, colocated: Engine) -> None:
+    """A retracted request is restored from its host copy with its sampler state: seeded
+    sampling with penalties gives the colocated engine's tokens (no retraction there)."""
+    rng = random.Random(7)
+    prompts = [[rng.randrange(3, VOCAB) for _ in range(30)] for _ in range(10)]
+    params = [{**SAMPLED, "seed": 50 + i} for i in range(len(prompts))]
+    before = small_decode.decode.stat("num_retractions_total") or 0
+    expected = colocated.generate(input_ids=prompts, sampling_params=[
+        {"max_new_tokens": 100, "ignore_eos": True, **p} for p in params])
+    results = small_decode.run([small_decode.body(p, 100, **sp) for p, sp in zip(prompts, params, strict=True)])
+    for exp, res in zip(expected, results, strict=True):
+        assert res.error is None, res.error
+        assert res.output_ids == exp["output_ids"]
+    assert (small_decode.decode.stat("num_retractions_total") or 0) > before
+    small_decode.wait_whole()
+
+
 def test_pd_bootstrap_queue_holds_while_decode_is_full(small_decode: PDPair, tiny_llama_path: str) -> None:
     rng = random.Random(5)
     prompts = [[rng.randrange(3, VOCAB) for _ in range(60)] for _ in range(8)]
