@@ -6,7 +6,8 @@
       3. load the tokenizer here while the engine loads the model
       4. wait (bounded by --engine-start-timeout) for the engine's ready message
          StatsResp(seq=READY_SEQ, stats={pool sizes...}); fail fast if it dies
-      5. serve uvicorn until SIGINT/SIGTERM, then stop the engine
+      5. serve uvicorn until SIGINT/SIGTERM; then refuse new connections, let in-flight
+         requests finish (bounded by --graceful-shutdown-timeout) and stop the engine
 
 Keys the ready stats may carry (all optional, logged and shown in
 /server_info "pools"): context_length, vocab_size, max_total_tokens,
@@ -33,7 +34,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-GRACEFUL_SHUTDOWN_S = 5
 AppHook = Callable[["FastAPI", ServerArgs], None]
 
 
@@ -183,7 +183,7 @@ async def _serve(
         port=args.port,
         log_level=args.log_level,
         access_log=args.log_level == "debug",
-        timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
+        timeout_graceful_shutdown=args.graceful_shutdown_timeout,
     )
     server = uvicorn.Server(config)
     logger.info("serving %s on %s (%s mode)", args.served_model_name, args.url(), args.disaggregation_mode)

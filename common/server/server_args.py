@@ -71,6 +71,7 @@ class ServerArgs:
     log_level: str = "info"
     watchdog_timeout: float = 300.0
     engine_start_timeout: float = 600.0
+    graceful_shutdown_timeout: float = 15.0
 
     def __post_init__(self) -> None:
         problem = self._first_problem()
@@ -117,6 +118,8 @@ class ServerArgs:
                 return f"--{_flag(name)} must be a TCP port (1..65535), got {getattr(self, name)}"
         if not 0.0 < self.mem_fraction_static < 1.0:
             return f"--mem-fraction-static must be in (0, 1), got {self.mem_fraction_static}"
+        if self.graceful_shutdown_timeout < 0:
+            return f"--graceful-shutdown-timeout must be >= 0, got {self.graceful_shutdown_timeout}"
         if self.num_reserved_decode_tokens < 0:
             return f"--num-reserved-decode-tokens must be >= 0, got {self.num_reserved_decode_tokens}"
         if self.chunked_prefill_size != -1 and (
@@ -231,6 +234,7 @@ _HELP: dict[str, str] = {
     "log_level": "logging level of both processes",
     "watchdog_timeout": "seconds a forward step may take before the engine is declared hung",
     "engine_start_timeout": "seconds to wait for the engine to load the model and report ready",
+    "graceful_shutdown_timeout": "on SIGTERM: seconds in-flight requests may take to finish (new connections are refused at once)",
 }
 
 

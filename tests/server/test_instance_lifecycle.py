@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import socket
@@ -98,3 +99,52 @@ def test_port_in_use_fails_before_the_engine_starts(start_server: Any) -> None:
         assert server.proc.wait(30) == 1
     assert f"cannot serve on 127.0.0.1:{port}" in server.log()
     assert "engine process started" not in server.log()
+
+
+def _stream_through_sigterm(server: Any, ids: list[int], pause_s: float) -> tuple[list[str], str | None]:
+    """Stream a long request; after its first chunk SIGTERM the instance and pause its engine
+    for pause_s (the request cannot finish before then). Returns the lines read and the
+    error that ended the stream early, if any."""
+    engine_pid = server.engine_pid()
+    payload = {"input_ids": ids, "stream": True, "sampling_params": {"max_new_tokens": 64, "ignore_eos": True}}
+    lines: list[str] = []
+    with httpx.Client(timeout=30.0) as client:
+        try:
+            with client.stream("POST", server.url + "/generate", json=payload) as resp:
+                for line in resp.iter_lines():
+                    if line and not lines:
+                        os.kill(engine_pid, signal.SIGSTOP)
+                        server.proc.send_signal(signal.SIGTERM)
+                        time.sleep(0.5)  # uvicorn closes its listener on the signal
+                        try:
+                            httpx.get(server.url + "/health", timeout=2.0)
+                            refused = False
+                        except httpx.ConnectError:
+                            refused = True
+                        assert refused, "a draining instance still accepts connections"
+                        time.sleep(pause_s)
+                        os.kill(engine_pid, signal.SIGCONT)
+                    if line:
+                        lines.append(line)
+        except httpx.HTTPError as e:
+            return lines, type(e).__name__
+    return lines, None
+
+
+def test_sigterm_lets_in_flight_requests_finish(start_server: Any, tokenizer: Any) -> None:
+    """Rolling restart: SIGTERM refuses new connections at once (a router retries elsewhere)
+    and lets the in-flight stream finish, here after its engine stalled past 5 s."""
+    server = start_server("--graceful-shutdown-timeout", "30")
+    lines, error = _stream_through_sigterm(server, tokenizer.encode("Hello world"), pause_s=6.0)
+    assert error is None and lines[-1] == "data: [DONE]"
+    tokens = [t for line in lines[:-1] for t in json.loads(line.removeprefix("data: "))["output_ids"]]
+    assert len(tokens) == 64
+    assert server.proc.wait(30) == 0
+
+
+def test_sigterm_past_the_graceful_timeout_cuts_the_stream_visibly(start_server: Any, tokenizer: Any) -> None:
+    server = start_server("--graceful-shutdown-timeout", "1")
+    lines, error = _stream_through_sigterm(server, tokenizer.encode("Hello world"), pause_s=3.0)
+    # The client sees a broken stream (no [DONE], transport error), never a clean short answer.
+    assert error is not None and lines[-1] != "data: [DONE]", (error, lines[-2:])
+    server.proc.wait(30)
