@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import signal
 import socket
 import sys
@@ -183,7 +184,7 @@ async def _serve(
         port=args.port,
         log_level=args.log_level,
         access_log=args.log_level == "debug",
-        timeout_graceful_shutdown=args.graceful_shutdown_timeout,
+        timeout_graceful_shutdown=math.ceil(args.graceful_shutdown_timeout),  # uvicorn takes whole seconds
     )
     server = uvicorn.Server(config)
     logger.info("serving %s on %s (%s mode)", args.served_model_name, args.url(), args.disaggregation_mode)
