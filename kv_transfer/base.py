@@ -72,8 +72,9 @@ class TransferConfig:
       the rooms of a decode it has not heard from for the timeout.
     - drain_timeout_s = 30: decode holds an aborted/failed receiver's pages until prefill
       confirms its writes drained, or this long.
-    - settle_timeout_s = 5: prefill waits this long for the sibling handles of a failed
-      transfer before reporting the failure anyway.
+    - settle_timeout_s = 5: prefill waits this long for the handles of a failed transfer
+      (siblings, and one whose poll raised without NIXL reporting ERR: its writes may
+      still land) before reporting the failure anyway.
     - idle_poll_s = 0.05, busy_poll_s = 0.001: the background thread's poller timeout
       when nothing / something is in flight (ZMQ polls in whole ms).
     - shutdown_timeout_s = 5: bound on KVManager.shutdown().

@@ -21,9 +21,10 @@ from kv_transfer.faults import FaultInjector, InjectedFault
 
 
 class NixlError(RuntimeError):
-    def __init__(self, message: str, *, injected: bool = False) -> None:
+    def __init__(self, message: str, *, injected: bool = False, terminal: bool = False) -> None:
         super().__init__(message)
         self.injected = injected  # a FaultInjector fault: the peer connection is fine
+        self.terminal = terminal  # NIXL reported the transfer ended (ERR): no byte of it lands later
 
 
 def unique_agent_name(role: str) -> str:
@@ -93,14 +94,17 @@ class NixlEndpoint:
             raise NixlError(f"posting WRITE to {peer} returned ERR")
         return PostedXfer(handle, nbytes, len(local))
 
-    def is_done(self, xfer: PostedXfer) -> bool:
+    def is_done(self, xfer: PostedXfer, *, inject: bool = True) -> bool:
+        """DONE means the writes are complete at the target (NIXL flushes before DONE).
+        inject=False: the real state only (a room already failed waits for its writes)."""
         try:
-            self.faults.at_poll()
+            if inject:
+                self.faults.at_poll()
             state = self.agent.check_xfer_state(xfer.handle)
         except Exception as e:
             raise NixlError(f"transfer failed: {e}", injected=isinstance(e, InjectedFault)) from e
         if state == "ERR":
-            raise NixlError("transfer failed: state ERR")
+            raise NixlError("transfer failed: state ERR", terminal=True)
         return state == "DONE"
 
     def release(self, xfer: PostedXfer) -> None:

@@ -303,10 +303,13 @@ class PrefillSide(Side):
         still = []
         for xfer in room.outstanding:
             try:
-                done = self.endpoint.is_done(xfer)
+                done = self.endpoint.is_done(xfer, inject=room.failed_at is None)
             except NixlError as e:
-                self.endpoint.release(xfer)
                 self._room_failed(room, FailureCause.TRANSFER_ERROR, str(e))
+                if e.terminal:
+                    self.endpoint.release(xfer)
+                else:  # its writes may still land: decode hears of the failure once they settled
+                    still.append(xfer)
                 if room.peer is not None and not e.injected:
                     self._drop_peer(room.peer, FailureCause.TRANSFER_ERROR, f"NIXL error towards decode: {e}")
                 continue
