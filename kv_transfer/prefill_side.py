@@ -268,7 +268,9 @@ class PrefillSide(Side):
             room.pending.clear()
 
     def _drop_peer(self, peer: _DecodePeer, cause: FailureCause, reason: str) -> None:
-        self.peers.pop(peer.identity, None)
+        if self.peers.get(peer.identity) is not peer:
+            return  # already dropped (a settling transfer of its rooms may raise again)
+        self.peers.pop(peer.identity)
         self.endpoint.remove_peer(peer.nixl_name)
         for room in self.rooms.values():
             if room.peer is peer:

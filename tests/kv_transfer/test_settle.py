@@ -29,14 +29,15 @@ class FakeEndpoint:
     """One outstanding transfer: the first poll fails as `first_error` says, the real state
     is DONE from poll number `done_at` on (or ERR when `err`)."""
 
-    def __init__(self, first_error: NixlError, done_at: int, err: bool = False) -> None:
-        self.first_error, self.done_at, self.err = first_error, done_at, err
+    def __init__(self, first_error: NixlError, done_at: int, err: bool = False, keeps_raising: bool = False) -> None:
+        self.first_error, self.done_at, self.err, self.keeps_raising = first_error, done_at, err, keeps_raising
         self.polls = 0
         self.released: list[PostedXfer] = []
+        self.removed_peers: list[str] = []
 
     def is_done(self, xfer: PostedXfer, *, inject: bool = True) -> bool:
         self.polls += 1
-        if self.polls == 1:
+        if self.polls == 1 or self.keeps_raising:
             raise self.first_error
         if self.err:
             raise NixlError("transfer failed: state ERR", terminal=True)
@@ -46,7 +47,7 @@ class FakeEndpoint:
         self.released.append(xfer)
 
     def remove_peer(self, name: str) -> None:
-        pass
+        self.removed_peers.append(name)
 
 
 class RecordingSide(PrefillSide):
@@ -63,7 +64,9 @@ class RecordingSide(PrefillSide):
 
     def start_room(self) -> KVSender:
         sender = KVSender("rid", 7, submit=lambda cmd: None, fail=lambda cell, cause, reason: cell.fail(cause, reason))
-        room = _Room(sender, 0.0, peer=_DecodePeer(b"decode", None, "decode-agent", 0.0))  # type: ignore[arg-type]
+        peer = _DecodePeer(b"decode", None, "decode-agent", 0.0)  # type: ignore[arg-type]
+        self.peers[peer.identity] = peer
+        room = _Room(sender, 0.0, peer=peer)
         room.outstanding.append(PostedXfer(object(), 4096, 1))
         self.rooms[7] = room
         return sender
@@ -92,13 +95,14 @@ def test_a_poll_fault_waits_for_the_transfer_before_reporting() -> None:
 
 
 def test_a_transfer_that_never_settles_is_reported_at_the_settle_timeout() -> None:
-    endpoint = FakeEndpoint(NixlError("poll raised", injected=False), done_at=10**9)
+    endpoint = FakeEndpoint(NixlError("poll raised", injected=False), done_at=10**9, keeps_raising=True)
     side = RecordingSide(endpoint, TransferConfig(settle_timeout_s=2.0))
     side.start_room()
     side.run([0.0, 1.0, 1.9])
     assert not side.replies
     side.run([2.1])
     assert [m.ok for _, m in side.replies] == [False] and len(endpoint.released) == 1
+    assert endpoint.removed_peers == ["decode-agent"] and not side.peers  # dropped once, not per poll
 
 
 def test_nixl_err_is_terminal_and_reported_at_once() -> None:
