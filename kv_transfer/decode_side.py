@@ -101,7 +101,7 @@ class DecodeSide(Side):
         peer.recvs.pop(rec.receiver.room, None)
         if rec.sent_at is None or rec.receiver.poll() == KVPoll.Success:
             rec.receiver.drained = True
-            if notify and peer.registered:
+            if notify:  # also while handshaking: prefill may hold the room, waiting for page ids
                 self._send(peer, Abort(rec.receiver.room, reason))
             return
         if notify:

@@ -175,6 +175,30 @@ def test_decode_abort_while_waiting_for_input(prefill: Worker, decode: DecodeSid
     decode.slots.free(decode.driver.plans[room].aux_slot)
 
 
+def test_decode_abort_during_the_handshake_reaches_prefill(prefill: Worker) -> None:
+    """A decode that gives up before its first handshake with a prefill finished still tells
+    that prefill, which would otherwise hold the request until its bootstrap timeout."""
+    mgr, _, _ = make_manager("decode", PoolSpec(), None)
+    try:
+        room = new_room()
+        prefill.call("faults", spec="stall_s=1.0")  # the handshake waits for prefill's thread
+        prefill.call("room", room=room, chunks=[[1]], first_token=5)
+        r = mgr.create_receiver("rid", room, "127.0.0.1", prefill.port)
+        r.init([1, 2], 0)
+        time.sleep(0.2)
+        assert not r.request_sent  # still handshaking: page ids not sent
+        r.abort("client gone")
+        assert r.poll() == F
+        deadline = time.monotonic() + 2
+        while not r.pages_releasable() and time.monotonic() < deadline:  # no page ids were ever sent
+            time.sleep(0.01)
+        assert r.pages_releasable()
+        _, reason, cause, _ = prefill_state(prefill, room, F)
+        assert cause == FailureCause.ABORTED.value and "aborted by decode" in reason
+    finally:
+        mgr.shutdown()
+
+
 @pytest.mark.parametrize("mid_transfer", [False, True])
 def test_decode_abort_while_transferring(prefill: Worker, decode: DecodeSide, mid_transfer: bool) -> None:
     if mid_transfer:
