@@ -20,9 +20,9 @@ from transformers import AutoTokenizer
 
 from common.engine_core import build_engine_core
 from common.sampling_params import SamplingParams
+from common.scheduler.messages import FinishReason, TokenOut
 from common.scheduler.req import Req
 from common.server.detokenizer import RequestDetokenizer
-from common.server.io_struct import FinishReason, TokenOut
 from common.server.server_args import ServerArgs
 
 

@@ -1,18 +1,19 @@
 """Assembles one engine: model runner + KV memory + scheduler, from ServerArgs.
 
-Used by the offline Engine, the colocated engine process and the PD roles (which
-pass their own Scheduler subclass). Nothing here runs a loop.
+Used by the offline Engine, the colocated engine process and the PD roles, each of
+which hands its RoleSpec (common/scheduler/role.py). Nothing here runs a loop.
 
-    ServerArgs -> ModelConfig, KVPool, ReqToTokenPool, PageAllocator, RadixCache
-               -> ReqKVManager -> TorchModelWorker -> Sync/ThreadExecutor -> Scheduler
+    ServerArgs, RoleSpec -> ModelConfig, KVPool, ReqToTokenPool, PageAllocator, RadixCache
+                         -> ReqKVManager(defer_frees=role.defer_frees) -> TorchModelWorker
+                         -> Sync/ThreadExecutor -> role.build(SchedulerParts) -> scheduler (+ transfer)
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
@@ -20,12 +21,15 @@ from common.cache import PageAllocator, RadixCache, ReqToTokenPool
 from common.cache.kv_pool import KVPool
 from common.model.config import ModelConfig, resolve_dtype
 from common.model.default_model import resolve_model_path
+from common.model.device import on_device_thread, resolve_device, use_device
+from common.model.memory_budget import kv_budget_bytes
 from common.model.model_runner import ModelRunner
 from common.model.sampler import Sampler
 from common.scheduler.config import SchedulerConfig
 from common.scheduler.executor import Executor, SyncExecutor, ThreadExecutor
 from common.scheduler.kv_manager import ReqKVManager
 from common.scheduler.model_worker import TorchModelWorker
+from common.scheduler.role import COLOCATED, RoleSpec, SchedulerParts, TransferLink
 from common.scheduler.scheduler import OutputSink, Scheduler
 from common.server.server_args import ServerArgs
 
@@ -40,12 +44,17 @@ class EngineCore:
     model_path: str
     model_config: ModelConfig
     kv_pool: KVPool
-    scheduler: Any  # Scheduler or a role subclass
+    role: RoleSpec
+    scheduler: Scheduler  # the role's (a PD role's subclass)
+    transfer: TransferLink | None  # PD roles: their KV transfer manager
     executor: Executor
     runner: ModelRunner
 
     def shutdown(self) -> None:
+        """The engine first (no step may still read or write KV), then the transfer manager."""
         self.executor.shutdown()
+        if self.transfer is not None:
+            self.transfer.service.shutdown()
 
     def ready_stats(self) -> dict[str, float]:
         s = self.scheduler.stats()
@@ -56,15 +65,13 @@ class EngineCore:
                 "context_length": float(self.model_config.context_length),
                 "page_size": float(self.kv_pool.page_size),
                 "vocab_size": float(self.model_config.vocab_size),
+                "radix_cache_enabled": float(not self.scheduler.kv.radix.disable),
+                "defer_frees": float(self.scheduler.kv.defer_frees),
             }
         )
+        if self.transfer is not None and self.transfer.bootstrap_port is not None:
+            s["bootstrap_port"] = float(self.transfer.bootstrap_port)
         return s
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
 
 
 def scheduler_config(args: ServerArgs, context_length: int) -> SchedulerConfig:
@@ -87,11 +94,7 @@ def kv_budget_tokens(args: ServerArgs, config: ModelConfig, dtype: torch.dtype, 
     if args.max_total_tokens is not None:
         return args.max_total_tokens
     per_token = ModelRunner.kv_bytes_per_token(config, dtype, str(device))
-    if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        budget = int(free * args.mem_fraction_static)
-    else:
-        budget = int(args.kv_cache_gb * (1 << 30))
+    budget = kv_budget_bytes(device, mem_fraction_static=args.mem_fraction_static, kv_cache_gb=args.kv_cache_gb)
     return max(args.page_size, budget // per_token)
 
 
@@ -99,26 +102,31 @@ def build_engine_core(
     args: ServerArgs,
     output: OutputSink,
     *,
-    scheduler_cls: type[Scheduler] = Scheduler,
-    scheduler_kwargs: dict[str, Any] | None = None,
+    role: RoleSpec = COLOCATED,
     extra_req_rows: int = EXTRA_REQ_ROWS,
-    defer_frees: bool = False,
     on_worker_start: Callable[[], None] | None = None,
 ) -> EngineCore:
+    if not role.radix_cache and not args.disable_radix_cache:
+        args = dataclasses.replace(args, disable_radix_cache=True)
     model_path = resolve_model_path(args.model_path)
     config = ModelConfig.from_pretrained(model_path)
-    device = resolve_device(args.device)
+    device = resolve_device(args.device, args.base_gpu_id)
+    use_device(device)
     dtype = resolve_dtype(args.dtype, device)
     context_length = min(args.context_length or config.context_length, config.context_length)
-    total_tokens = kv_budget_tokens(args, config, dtype, device)
-    kv_pool = ModelRunner.create_kv_pool(
-        config, max_total_tokens=total_tokens, page_size=args.page_size, dtype=dtype, device=device
-    )
     req_pool = ReqToTokenPool(args.max_running_requests + extra_req_rows, context_length + args.page_size, device=device)
+
+    def create_kv_pool() -> KVPool:  # called by the runner once the weights are on the device
+        total_tokens = kv_budget_tokens(args, config, dtype, device)
+        return ModelRunner.create_kv_pool(
+            config, max_total_tokens=total_tokens, page_size=args.page_size, dtype=dtype, device=device
+        )
+
     runner = ModelRunner(
-        model_path, dtype=dtype, device=device, kv_pool=kv_pool, req_to_token=req_pool.table,
+        model_path, dtype=dtype, device=device, kv_pool=create_kv_pool, req_to_token=req_pool.table,
         attention_backend=args.attention_backend,
     )
+    kv_pool = runner.kv_pool
     logger.info(
         "KV pool: %d tokens (%d pages of %d), %.1f MiB, %s",
         (kv_pool.num_pages - 1) * kv_pool.page_size, kv_pool.num_pages - 1, kv_pool.page_size,
@@ -126,7 +134,7 @@ def build_engine_core(
     )
     allocator = PageAllocator(kv_pool.num_pages, args.page_size)
     radix = RadixCache(allocator, args.page_size, disable=args.disable_radix_cache)
-    kv = ReqKVManager(allocator, radix, req_pool, defer_frees=defer_frees)
+    kv = ReqKVManager(allocator, radix, req_pool, defer_frees=role.defer_frees)
     future_capacity = 4 * (req_pool.max_reqs + 8)
     sampler = Sampler(config.vocab_size, req_pool.max_reqs, device)
     worker = TorchModelWorker(runner, sampler, future_capacity=future_capacity)
@@ -134,12 +142,12 @@ def build_engine_core(
     if not args.overlap_schedule:
         executor = SyncExecutor(worker)
     else:
-        executor = ThreadExecutor(worker, on_thread_start=on_worker_start)
+        executor = ThreadExecutor(worker, on_thread_start=on_device_thread(device, on_worker_start))
     cfg = scheduler_config(args, context_length)
-    scheduler = scheduler_cls(
-        cfg, executor, kv, future_capacity=future_capacity, output=output, **(scheduler_kwargs or {})
+    built = role.build(
+        SchedulerParts(cfg=cfg, executor=executor, kv=kv, kv_pool=kv_pool, future_capacity=future_capacity, output=output)
     )
     return EngineCore(
-        args=args, model_path=model_path, model_config=config, kv_pool=kv_pool, scheduler=scheduler,
-        executor=executor, runner=runner,
+        args=args, model_path=model_path, model_config=config, kv_pool=kv_pool, role=role, scheduler=built.scheduler,
+        transfer=built.transfer, executor=executor, runner=runner,
     )

@@ -17,31 +17,44 @@ max(new_token_ratio x min(remaining new tokens, 4096), min(remaining, --num-rese
 from __future__ import annotations
 
 import logging
-from typing import Any
+from dataclasses import dataclass
 
 import torch
 
 from common.cache.kv_pool import KVPool
+from common.disaggregation import transfer_failure, transfer_stats
+from common.scheduler.config import SchedulerConfig
+from common.scheduler.executor import Executor
+from common.scheduler.kv_manager import ReqKVManager
+from common.scheduler.messages import FinishReason
 from common.scheduler.req import Req, ReqState
-from common.scheduler.scheduler import PageFate, Scheduler
-from common.server.io_struct import FinishReason
-from common.server.pd_role import transfer_failure, transfer_stats
+from common.scheduler.scheduler import OutputSink, PageFate, Scheduler
 from kv_transfer import AuxSlotAllocator, KVManager, KVPoll, KVReceiver
 
 logger = logging.getLogger(__name__)
 
-RECEIVER = "kv_receiver"
-AUX_SLOT = "kv_aux_slot"
-HOST_KV = "host_kv"
+
+@dataclass
+class DecodeTransfer:
+    """One request's KV arrival, owned by the DecodeScheduler from intake to its release."""
+
+    receiver: KVReceiver
+    aux_slot: int | None = None  # held from init() until the aux row is read or the pages drain
+    host_kv: tuple[torch.Tensor, torch.Tensor] | None = None  # K, V while retracted
 
 
 class DecodeScheduler(Scheduler):
-    def __init__(self, *args: Any, num_reserved_decode_tokens: int = 512, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
+    def __init__(
+        self, cfg: SchedulerConfig, executor: Executor, kv: ReqKVManager, *, future_capacity: int, output: OutputSink,
+        transfer: KVManager, aux_slots: AuxSlotAllocator, kv_pool: KVPool, num_reserved_decode_tokens: int,
+    ) -> None:
+        super().__init__(cfg, executor, kv, future_capacity=future_capacity, output=output)
+        assert kv.defer_frees, "decode frees pages only after the step in flight (see kv_manager.py)"
         self.num_reserved_decode_tokens = num_reserved_decode_tokens
-        self.transfer: KVManager | None = None
-        self.aux_slots: AuxSlotAllocator | None = None
-        self.kv_pool: KVPool | None = None
+        self.transfer = transfer
+        self.aux_slots = aux_slots
+        self.kv_pool = kv_pool
+        self.transfers: dict[Req, DecodeTransfer] = {}
         self.prealloc: list[Req] = []
         self.transferring: list[Req] = []
         self.draining: list[Req] = []
@@ -49,25 +62,19 @@ class DecodeScheduler(Scheduler):
         self.num_transfer_failures = 0
         self.num_prebuilt = 0
 
-    def attach_transfer(self, manager: KVManager, aux_slots: AuxSlotAllocator, kv_pool: KVPool) -> None:
-        self.transfer = manager
-        self.aux_slots = aux_slots
-        self.kv_pool = kv_pool
-
     @property
     def has_work(self) -> bool:
         return self.has_runnable_work or bool(self.prealloc or self.transferring or self.draining or self.retracted)
 
     # ---- intake -----------------------------------------------------------------------------
     def enqueue(self, req: Req) -> None:
-        assert self.transfer is not None, "decode scheduler without a KV transfer manager"
-        host, port, room = req.extra["bootstrap"]
-        req.extra[RECEIVER] = self.transfer.create_receiver(req.rid, room, host, port)
+        boot = req.bootstrap
+        assert boot is not None, f"decode request without bootstrap info: {req}"
+        self.transfers[req] = DecodeTransfer(self.transfer.create_receiver(req.rid, boot.room, boot.host, boot.port))
         self.prealloc.append(req)
 
     def _receiver(self, req: Req) -> KVReceiver:
-        receiver: KVReceiver = req.extra[RECEIVER]
-        return receiver
+        return self.transfers[req].receiver
 
     def poll_transfers(self) -> None:
         self._release_drained()
@@ -88,7 +95,6 @@ class DecodeScheduler(Scheduler):
         return self.kv.available_tokens() - reserved
 
     def _admit_preallocated(self) -> None:
-        assert self.aux_slots is not None
         budget = self._free_budget_tokens()
         queue, still = list(self.prealloc), []
         for i, req in enumerate(queue):
@@ -115,7 +121,7 @@ class DecodeScheduler(Scheduler):
                 break
             slot = self.aux_slots.alloc()
             assert slot is not None
-            req.extra[AUX_SLOT] = slot
+            self.transfers[req].aux_slot = slot
             pages = self.kv.allocator.pages_of(req.kv_slots)
             receiver.init(pages, slot)
             budget -= need
@@ -164,9 +170,10 @@ class DecodeScheduler(Scheduler):
         self._finish(req, transfer_failure(req, receiver))
 
     def _free_aux_slot(self, req: Req) -> None:
-        slot = req.extra.pop(AUX_SLOT, None)
-        if slot is not None and self.aux_slots is not None:
-            self.aux_slots.free(slot)
+        transfer = self.transfers.get(req)
+        if transfer is not None and transfer.aux_slot is not None:
+            self.aux_slots.free(transfer.aux_slot)
+            transfer.aux_slot = None
 
     def _release_drained(self) -> None:
         still: list[Req] = []
@@ -174,6 +181,7 @@ class DecodeScheduler(Scheduler):
             if self._receiver(req).pages_releasable():
                 self.kv.release(req, keep_in_cache=False)
                 self._free_aux_slot(req)
+                del self.transfers[req]
             else:
                 still.append(req)
         self.draining = still
@@ -186,9 +194,8 @@ class DecodeScheduler(Scheduler):
 
     def on_retract(self, req: Req) -> None:
         assert req.num_pending == 0 and self.in_flight is None, "retract needs a quiet worker"
-        assert self.kv_pool is not None
         slots = torch.tensor(req.kv_slots, dtype=torch.int64, device=self.kv_pool.device)
-        req.extra[HOST_KV] = self.kv_pool.copy_slots_to_host(slots)
+        self.transfers[req].host_kv = self.kv_pool.copy_slots_to_host(slots)
         self.kv.release(req, keep_in_cache=False)
         self.running.remove(req)
         req.state = ReqState.RETRACTED
@@ -199,7 +206,9 @@ class DecodeScheduler(Scheduler):
         ps = self.kv.page_size
         while self.retracted:
             req = self.retracted[0]
-            k, v = req.extra[HOST_KV]
+            host_kv = self.transfers[req].host_kv
+            assert host_kv is not None, f"retracted request without a host copy: {req}"
+            k, v = host_kv
             tokens = int(k.shape[1])
             need = -(-tokens // ps) * ps + self.reservation(req) + len(self.running) * ps
             if need > self._free_budget_tokens() or self.kv.req_pool.num_free == 0:
@@ -212,10 +221,9 @@ class DecodeScheduler(Scheduler):
             if slots is None:
                 self.kv.release(req, keep_in_cache=False)
                 return
-            assert self.kv_pool is not None
             index = torch.tensor(slots, dtype=torch.int64, device=self.kv_pool.device)
             self.kv_pool.restore_slots_from_host(index, k, v)
-            del req.extra[HOST_KV]
+            self.transfers[req].host_kv = None
             self.retracted.pop(0)
             req.needs_sampler_reset = True
             req.state = ReqState.RUNNING
@@ -223,8 +231,10 @@ class DecodeScheduler(Scheduler):
 
     # ---- endings ----------------------------------------------------------------------------
     def on_finish(self, req: Req) -> PageFate:
-        receiver: KVReceiver | None = req.extra.get(RECEIVER)
-        req.extra.pop(HOST_KV, None)
+        transfer = self.transfers.get(req)
+        receiver = transfer.receiver if transfer is not None else None
+        if transfer is not None:
+            transfer.host_kv = None
         if req in self.prealloc:
             self.prealloc.remove(req)
         if req in self.retracted:
@@ -237,6 +247,7 @@ class DecodeScheduler(Scheduler):
             self.draining.append(req)  # late WRITEs may still land in these pages
             return PageFate.KEEP
         self._free_aux_slot(req)
+        self.transfers.pop(req, None)
         return PageFate.FREE
 
     def stats(self) -> dict[str, float]:

@@ -51,20 +51,51 @@ prefill what it publishes (PrefillInfo). Timeouts and fault injection: TransferC
 
 from __future__ import annotations
 
-from kv_transfer.aux_buffer import AuxBuffer, AuxRow, AuxSlotAllocator
-from kv_transfer.base import (
-    FailureCause,
-    KVManagerArgs,
-    KVPoll,
-    KVTransferError,
-    TransferConfig,
-    min_poll,
-)
-from kv_transfer.bootstrap import query_bootstrap
-from kv_transfer.faults import FaultSpec
-from kv_transfer.handles import KVReceiver, KVSender
-from kv_transfer.manager import KVManager
-from kv_transfer.messages import PrefillInfo
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from kv_transfer.aux_buffer import AuxBuffer, AuxRow, AuxSlotAllocator
+    from kv_transfer.base import (
+        FailureCause,
+        KVManagerArgs,
+        KVPoll,
+        KVTransferError,
+        TransferConfig,
+        min_poll,
+    )
+    from kv_transfer.bootstrap import query_bootstrap
+    from kv_transfer.faults import FaultSpec
+    from kv_transfer.handles import KVReceiver, KVSender
+    from kv_transfer.manager import KVManager
+    from kv_transfer.messages import PrefillInfo
+
+# Names load on first use: `import kv_transfer.aux_format` (the router, the HTTP layer) must not
+# pull in torch and NIXL.
+_HOME = {
+    "AuxBuffer": "aux_buffer",
+    "AuxRow": "aux_buffer",
+    "AuxSlotAllocator": "aux_buffer",
+    "FailureCause": "base",
+    "KVManagerArgs": "base",
+    "KVPoll": "base",
+    "KVTransferError": "base",
+    "TransferConfig": "base",
+    "min_poll": "base",
+    "query_bootstrap": "bootstrap",
+    "FaultSpec": "faults",
+    "KVReceiver": "handles",
+    "KVSender": "handles",
+    "KVManager": "manager",
+    "PrefillInfo": "messages",
+}
+
+
+def __getattr__(name: str) -> Any:
+    home = _HOME.get(name)
+    if home is None:
+        raise AttributeError(f"module 'kv_transfer' has no attribute {name!r}")
+    return getattr(importlib.import_module(f"kv_transfer.{home}"), name)
 
 __all__ = [
     "AuxBuffer",

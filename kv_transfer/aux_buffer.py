@@ -1,14 +1,6 @@
 """Aux rows: the small per-request record that travels with the last KV send.
 
-    aux tensor: uint8 [num_slots, ROW_BYTES]   (ROW_BYTES = 384, a multiple of 64)
-
-    row layout (little endian)
-    +--------+--------+-------------+---------------+---------+-------------+---------+---------+
-    | magic  | room   | first_token | cached_tokens | logprob | has_logprob | num_top | padding |
-    | u64 0  | i64 8  | i64 16      | i64 24        | f64 32  | u8 40       | u8 41   | 42..47  |
-    +--------+--------+-------------+---------------+---------+-------------+---------+---------+
-    | top logprobs of the first token: MAX_TOP_LOGPROBS x (token i64, logprob f64) | 48..367 |
-    +------------------------------------------------------------------------------+---------+
+    aux tensor: uint8 [num_slots, ROW_BYTES]   (row format: kv_transfer/aux_format.py)
 
 Decode clears its row at receiver.init() and accepts the transfer only when the row
 carries the magic and the expected room. Decode's scheduler allocates aux slots with an
@@ -18,18 +10,14 @@ Both sides check each other's ROW_BYTES at registration (a v1 peer is refused).
 
 from __future__ import annotations
 
-import struct
 from dataclasses import dataclass
 
 import torch
 
-from common.server.protocol import MAX_TOP_LOGPROBS
-
-_HEAD = struct.Struct("<QqqqdBB6x")
-_TOP = struct.Struct("<qd")
-ROW_BYTES = 384
-_MAGIC = 0x4B56_5852_4F57_0002  # "KVXROW" v2
-assert _HEAD.size + MAX_TOP_LOGPROBS * _TOP.size <= ROW_BYTES and ROW_BYTES % 64 == 0
+from kv_transfer.aux_format import MAX_TOP_LOGPROBS, ROW_BYTES
+from kv_transfer.aux_format import ROW_HEAD as _HEAD
+from kv_transfer.aux_format import ROW_MAGIC as _MAGIC
+from kv_transfer.aux_format import ROW_TOP_ENTRY as _TOP
 
 
 @dataclass(frozen=True)

@@ -21,6 +21,7 @@ if TYPE_CHECKING:
 
     from common.cache.kv_pool import KVLayout
     from kv_transfer.aux_buffer import AuxBuffer
+    from kv_transfer.endpoint import EndpointFactory
 
 
 class KVPoll(enum.IntEnum):
@@ -67,7 +68,7 @@ class TransferConfig:
       its registration.
     - transfer_timeout_s = 300: decode fails a receiver that got no status message this
       long after init().
-    - heartbeat_interval_s = 1, heartbeat_timeout_s = 5: decode pings every prefill it
+    - heartbeat_interval_s = 5, heartbeat_timeout_s = 15: decode pings every prefill it
       uses; silence for the timeout fails all that prefill's rooms. Prefill likewise fails
       the rooms of a decode it has not heard from for the timeout.
     - drain_timeout_s = 30: decode holds an aborted/failed receiver's pages until prefill
@@ -87,8 +88,8 @@ class TransferConfig:
     bootstrap_timeout_s: float = 300.0
     handshake_timeout_s: float = 10.0
     transfer_timeout_s: float = 300.0
-    heartbeat_interval_s: float = 1.0
-    heartbeat_timeout_s: float = 5.0
+    heartbeat_interval_s: float = 5.0
+    heartbeat_timeout_s: float = 15.0
     drain_timeout_s: float = 30.0
     settle_timeout_s: float = 5.0
     idle_poll_s: float = 0.05
@@ -121,6 +122,8 @@ class KVManagerArgs:
     rank: int = 0
     config: TransferConfig = field(default_factory=TransferConfig)
     registry: object | None = None  # prometheus_client.CollectorRegistry; None = a private one
+    backend: str = "nixl"  # one of kv_transfer.endpoint.TRANSFER_BACKENDS
+    endpoint_factory: EndpointFactory | None = None  # overrides `backend` (tests, out-of-tree backends)
 
 
 class StateCell:

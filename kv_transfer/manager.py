@@ -21,11 +21,11 @@ import zmq
 
 from kv_transfer.base import FailureCause, KVManagerArgs, KVTransferError, StateCell
 from kv_transfer.decode_side import DecodeSide
+from kv_transfer.endpoint import make_endpoint
 from kv_transfer.faults import FaultInjector, FaultSpec
 from kv_transfer.handles import KVReceiver, KVSender
 from kv_transfer.messages import PROTOCOL_VERSION, PrefillInfo, Register
 from kv_transfer.metrics import TransferMetrics
-from kv_transfer.nixl_endpoint import NixlEndpoint
 from kv_transfer.prefill_side import PrefillSide
 from kv_transfer.side import Side, layout_to_wire, log
 
@@ -51,7 +51,8 @@ class KVManager:
         self.faults = FaultInjector(FaultSpec.parse(self.cfg.faults))
         self.metrics = TransferMetrics(args.role, args.registry)  # type: ignore[arg-type]
         kv = [*args.k_buffers, *args.v_buffers]
-        self.endpoint = NixlEndpoint(args.role, kv, args.aux_buffer.tensor, self.faults)
+        make = args.endpoint_factory or (lambda *a: make_endpoint(args.backend, *a))
+        self.endpoint = make(args.role, kv, args.aux_buffer.tensor, self.faults)
         self.agent_name = self.endpoint.name
         self._ctx = zmq.Context()
         self._poller = zmq.Poller()

@@ -10,21 +10,15 @@ from __future__ import annotations
 import os
 import secrets
 import socket
-from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 import torch
 from nixl._api import nixl_agent, nixl_agent_config
 
+from kv_transfer.endpoint import EndpointError, PostedXfer
 from kv_transfer.faults import FaultInjector, InjectedFault
 
-
-class NixlError(RuntimeError):
-    def __init__(self, message: str, *, injected: bool = False, terminal: bool = False) -> None:
-        super().__init__(message)
-        self.injected = injected  # a FaultInjector fault: the peer connection is fine
-        self.terminal = terminal  # NIXL reported the transfer ended (ERR): no byte of it lands later
+NixlError = EndpointError  # every failing NIXL call raises it, with NIXL's own message
 
 
 def unique_agent_name(role: str) -> str:
@@ -38,14 +32,9 @@ def mem_type_of(tensor: torch.Tensor) -> tuple[str, int]:
     return "VRAM", tensor.device.index or 0
 
 
-@dataclass
-class PostedXfer:
-    handle: Any
-    nbytes: int
-    ndescs: int
-
-
 class NixlEndpoint:
+    """The NIXL (UCX) implementation of kv_transfer.endpoint.TransferEndpoint."""
+
     def __init__(
         self, role: str, kv_tensors: list[torch.Tensor], aux_tensor: torch.Tensor, faults: FaultInjector
     ) -> None:

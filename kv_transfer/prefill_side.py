@@ -22,6 +22,7 @@ from common.cache.kv_pool import KVLayout
 from kv_transfer.aux_buffer import AuxBuffer, AuxRow, AuxSlotAllocator
 from kv_transfer.base import FailureCause, KVPoll, TransferConfig
 from kv_transfer.descriptors import build_descs, coalesce_pages
+from kv_transfer.endpoint import EndpointError, PostedXfer, TransferEndpoint
 from kv_transfer.faults import FaultInjector
 from kv_transfer.handles import AbortCmd, KVSender, SendCmd
 from kv_transfer.messages import (
@@ -37,7 +38,6 @@ from kv_transfer.messages import (
     Status,
     TransferRequest,
 )
-from kv_transfer.nixl_endpoint import NixlEndpoint, NixlError, PostedXfer
 from kv_transfer.side import Side, layout_from_wire
 
 
@@ -66,13 +66,25 @@ class _Room:
     failed_at: float | None = None
 
 
+def memory_type_mismatch(prefill_mem_type: str, decode_mem_type: str) -> str | None:
+    """A WRITE names one memory type for both ends: KV pools on different kinds of memory
+    (one role on a GPU, the other on CPU) would pass the handshake and fail every transfer."""
+    if prefill_mem_type == decode_mem_type:
+        return None
+    where = {"VRAM": "GPU memory (VRAM)", "DRAM": "host memory (DRAM)"}
+    return (
+        f"KV memory type mismatch: prefill's KV pool is in {where.get(prefill_mem_type, prefill_mem_type)}, "
+        f"decode's in {where.get(decode_mem_type, decode_mem_type)}; run both roles on the same --device kind"
+    )
+
+
 class PrefillSide(Side):
     def __init__(
         self,
         *,
         cfg: TransferConfig,
         layout: KVLayout,
-        endpoint: NixlEndpoint,
+        endpoint: TransferEndpoint,
         kv_bases: list[int],
         aux: AuxBuffer,
         info: PrefillInfo,
@@ -146,11 +158,13 @@ class PrefillSide(Side):
         if reason is None and len(msg.k_bases) != self.layout.num_layers:
             reason = "decode sent the wrong number of layer buffers"
         if reason is None:
+            reason = memory_type_mismatch(self.endpoint.kv_mem_type, msg.kv_mem_type)
+        if reason is None:
             for old in [p for p in self.peers.values() if p.reg.agent_name == msg.agent_name]:
                 self._drop_peer(old, FailureCause.PEER_LOST, "decode re-registered")
             try:
                 name = self.endpoint.add_peer(msg.agent_metadata)
-            except NixlError as e:
+            except EndpointError as e:
                 reason, cause = str(e), FailureCause.HANDSHAKE
             else:
                 self.peers[identity] = _DecodePeer(identity, msg, name, now)
@@ -226,7 +240,7 @@ class PrefillSide(Side):
                 if cmd.is_last:
                     assert cmd.aux is not None, "last send without aux (bug)"
                     self._post_aux(room, room.peer, cmd.aux)
-            except NixlError as e:
+            except EndpointError as e:
                 self._room_failed(room, FailureCause.TRANSFER_ERROR, str(e))
                 if not e.injected:
                     self._drop_peer(room.peer, FailureCause.TRANSFER_ERROR, f"NIXL error towards decode: {e}")
@@ -306,7 +320,7 @@ class PrefillSide(Side):
         for xfer in room.outstanding:
             try:
                 done = self.endpoint.is_done(xfer, inject=room.failed_at is None)
-            except NixlError as e:
+            except EndpointError as e:
                 self._room_failed(room, FailureCause.TRANSFER_ERROR, str(e))
                 if e.terminal:
                     self.endpoint.release(xfer)

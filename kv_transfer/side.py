@@ -11,9 +11,9 @@ import zmq
 
 from common.cache.kv_pool import KVLayout
 from kv_transfer.base import FailureCause, StateCell, TransferConfig
+from kv_transfer.endpoint import TransferEndpoint
 from kv_transfer.messages import ControlMsg, WireLayout, decode, encode
 from kv_transfer.metrics import TransferMetrics
-from kv_transfer.nixl_endpoint import NixlEndpoint
 
 log = logging.getLogger("kv_transfer")
 
@@ -65,7 +65,7 @@ class Side:
         self,
         *,
         cfg: TransferConfig,
-        endpoint: NixlEndpoint,
+        endpoint: TransferEndpoint,
         metrics: TransferMetrics,
         fail: Callable[[StateCell, FailureCause, str], bool],
         poller: zmq.Poller,

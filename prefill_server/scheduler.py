@@ -15,25 +15,40 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any
+from dataclasses import dataclass
 
+from common.disaggregation import transfer_failure, transfer_stats
+from common.model.forward_batch import ForwardMode
+from common.scheduler.config import SchedulerConfig
+from common.scheduler.executor import Executor
+from common.scheduler.kv_manager import ReqKVManager
+from common.scheduler.messages import FinishReason
 from common.scheduler.req import Req, ReqState
 from common.scheduler.schedule_batch import ScheduleBatch
-from common.scheduler.scheduler import PageFate, Scheduler
-from common.server.io_struct import FinishReason
-from common.server.pd_role import transfer_failure, transfer_stats
+from common.scheduler.scheduler import OutputSink, PageFate, Scheduler
 from kv_transfer import AuxRow, KVManager, KVPoll, KVSender
 
 logger = logging.getLogger(__name__)
 
-SENDER = "kv_sender"
-PAGES_SENT = "kv_pages_sent"
+
+@dataclass
+class PrefillSend:
+    """One request's transfer to decode, owned by the PrefillScheduler."""
+
+    sender: KVSender
+    pages_sent: int = 0  # pages of the prompt already handed to the sender
+    first_send_at: float | None = None
+    prompt_done_at: float | None = None
 
 
 class PrefillScheduler(Scheduler):
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.transfer: KVManager | None = None
+    def __init__(
+        self, cfg: SchedulerConfig, executor: Executor, kv: ReqKVManager, *, future_capacity: int, output: OutputSink,
+        transfer: KVManager,
+    ) -> None:
+        super().__init__(cfg, executor, kv, future_capacity=future_capacity, output=output)
+        self.transfer = transfer
+        self.sends: dict[Req, PrefillSend] = {}
         self.bootstrap_queue: list[Req] = []
         self.inflight: list[Req] = []
         self.num_transfer_failures = 0
@@ -42,26 +57,21 @@ class PrefillScheduler(Scheduler):
         self.transfer_total_seconds = 0.0
         self.transfer_exposed_seconds = 0.0
 
-    def attach_transfer(self, manager: KVManager) -> None:
-        self.transfer = manager
-
     @property
     def has_work(self) -> bool:
         return self.has_runnable_work or bool(self.bootstrap_queue or self.inflight)
 
     # ---- intake -----------------------------------------------------------------------------
     def enqueue(self, req: Req) -> None:
-        assert self.transfer is not None, "prefill scheduler without a KV transfer manager"
-        room = req.extra["bootstrap_room"]
-        req.extra[SENDER] = self.transfer.create_sender(req.rid, room)
-        req.extra[PAGES_SENT] = 0
+        assert req.bootstrap is not None, f"prefill request without bootstrap info: {req}"
+        self.sends[req] = PrefillSend(self.transfer.create_sender(req.rid, req.bootstrap.room))
         self.bootstrap_queue.append(req)
 
     def poll_transfers(self) -> None:
         """Each loop iteration: move ready requests on, fail broken ones."""
         still: list[Req] = []
         for req in list(self.bootstrap_queue):
-            sender = self._sender(req)
+            sender = self.sends[req].sender
             state = sender.poll()
             if state == KVPoll.Failed:
                 self._fail(req, sender)
@@ -76,33 +86,30 @@ class PrefillScheduler(Scheduler):
                 still.append(req)
         self.bootstrap_queue = [r for r in still if not r.finished]
         for req in list(self.waiting) + ([self.chunked] if self.chunked else []):
-            sender = self._sender(req)
+            sender = self.sends[req].sender
             if sender.poll() == KVPoll.Failed:
                 self._fail(req, sender)
         for req in list(self.inflight):
-            state = self._sender(req).poll()
+            send = self.sends[req]
+            state = send.sender.poll()
             if state == KVPoll.Success:
                 now = time.monotonic()
-                self.transfer_total_seconds += now - req.extra.get("t_first_send", now)
-                self.transfer_exposed_seconds += now - req.extra.get("t_prompt_done", now)
+                self.transfer_total_seconds += now - (send.first_send_at or now)
+                self.transfer_exposed_seconds += now - (send.prompt_done_at or now)
                 self._finish(req, FinishReason("length"))  # on_finish takes it out of inflight
             elif state == KVPoll.Failed:
-                self._fail(req, self._sender(req))
+                self._fail(req, send.sender)
 
     # ---- sending ----------------------------------------------------------------------------
     def _num_pages(self, tokens: int) -> int:
         return -(-tokens // self.kv.page_size)
 
-    def _sender(self, req: Req) -> KVSender:
-        sender: KVSender = req.extra[SENDER]
-        return sender
-
     def _send_pages(self, req: Req, upto_tokens: int, *, is_last: bool) -> None:
-        sender = self._sender(req)
-        if sender.poll() == KVPoll.Failed:
+        send = self.sends[req]
+        if send.sender.poll() == KVPoll.Failed:
             return
         ps = self.kv.page_size
-        first = req.extra[PAGES_SENT]
+        first = send.pages_sent
         last = self._num_pages(upto_tokens) if is_last else upto_tokens // ps
         if last <= first and not is_last:
             return
@@ -113,16 +120,18 @@ class PrefillScheduler(Scheduler):
             top = tuple(req.output_top_logprobs[0]) if req.output_top_logprobs else ()
             aux = AuxRow(first_token=req.output_ids[0], cached_tokens=req.cached_tokens, logprob=logprob,
                          top_logprobs=top)
-        sender.send(pages, is_last=is_last, aux=aux)
-        req.extra.setdefault("t_first_send", time.monotonic())
-        req.extra[PAGES_SENT] = last
+        send.sender.send(pages, is_last=is_last, aux=aux)
+        if send.first_send_at is None:
+            send.first_send_at = time.monotonic()
+        send.pages_sent = last
 
     def _build(
-        self, mode: Any, reqs: list[Req], lens: list[int], samples: list[bool], *, num_prefill_reqs: int = 0
+        self, mode: ForwardMode, reqs: list[Req], lens: list[int], samples: list[bool], *, num_prefill_reqs: int = 0
     ) -> ScheduleBatch:
         # Radix-cache hits are already in the pool: send them before the suffix is computed.
         for req in reqs:
-            if req.extra.get(PAGES_SENT) == 0 and req.tree_len > 0:
+            send = self.sends.get(req)
+            if send is not None and send.pages_sent == 0 and req.tree_len > 0:
                 self._send_pages(req, req.tree_len, is_last=False)
         return super()._build(mode, reqs, lens, samples, num_prefill_reqs=num_prefill_reqs)
 
@@ -133,10 +142,11 @@ class PrefillScheduler(Scheduler):
         self._send_pages(req, computed_len, is_last=False)
 
     def on_prompt_computed(self, req: Req) -> bool:
-        req.extra["t_prompt_done"] = time.monotonic()
+        send = self.sends[req]
+        send.prompt_done_at = time.monotonic()
         self._send_pages(req, len(req.origin_input_ids), is_last=True)
-        if self._sender(req).poll() == KVPoll.Failed:
-            self._fail(req, self._sender(req))
+        if send.sender.poll() == KVPoll.Failed:
+            self._fail(req, send.sender)
         else:
             self.inflight.append(req)
         return True
@@ -147,9 +157,9 @@ class PrefillScheduler(Scheduler):
         self._finish(req, transfer_failure(req, sender))
 
     def on_finish(self, req: Req) -> PageFate:
-        sender = req.extra.get(SENDER)
-        if sender is not None and sender.poll() not in (KVPoll.Success, KVPoll.Failed):
-            sender.abort((req.finish_reason.message if req.finish_reason else None) or "aborted")
+        send = self.sends.pop(req, None)
+        if send is not None and send.sender.poll() not in (KVPoll.Success, KVPoll.Failed):
+            send.sender.abort((req.finish_reason.message if req.finish_reason else None) or "aborted")
         if req in self.bootstrap_queue:
             self.bootstrap_queue.remove(req)
         if req in self.inflight:

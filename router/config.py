@@ -5,7 +5,8 @@
 
 `RouterConfig.from_args(argv)` parses and validates once; nothing reads the
 environment. A prefill worker's bootstrap port may be omitted: the router then
-learns it from the worker's `/server_info` before routing to it.
+learns it from the worker's `/server_info` before routing to it. Every health
+timing is read from one derived record, `RouterConfig.health` (HealthConfig).
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Literal
 from urllib.parse import urlsplit
+
+from common.server.liveness import HEALTH_ANSWER_BOUND_S
 
 Role = Literal["prefill", "decode", "colocated"]
 POLICIES = ("round_robin", "random", "power_of_two", "cache_aware")
@@ -42,6 +45,29 @@ class WorkerSpec:
 
 
 @dataclass(frozen=True)
+class HealthConfig:
+    """Every health timing of the router, derived in one place (RouterConfig.health).
+
+    A worker's /health answers from its engine's step clock within HEALTH_ANSWER_BOUND_S
+    and never waits for a step (common/server/liveness.py), so a probe that times out
+    (probe_timeout_s, always longer than that bound) means a loaded worker, not a dead
+    one: it raises the worker's load estimate by slow_probe_load per timeout in a row
+    (at most max_slow_probes). Only a worker that answered nothing, neither a probe nor
+    a request, for unresponsive_after_s is marked down. Refused or reset connections
+    and non-200 answers are failures; failure_threshold of them in a row mark it down.
+    """
+
+    interval_s: float
+    probe_timeout_s: float
+    failure_threshold: int
+    success_threshold: int
+    unresponsive_after_s: float
+    pair_probe_timeout_s: float  # the readiness round trip through a (prefill, decode) pair
+    slow_probe_load: int = 4
+    max_slow_probes: int = 4
+
+
+@dataclass(frozen=True)
 class RouterConfig:
     model_path: str
     host: str = "127.0.0.1"
@@ -63,6 +89,7 @@ class RouterConfig:
     health_check_timeout: float = 3.0
     health_failure_threshold: int = 2
     health_success_threshold: int = 1
+    health_unresponsive_timeout: float | None = None  # None: failure_threshold x (interval + timeout)
     breaker_failure_threshold: int = 5
     breaker_success_threshold: int = 2
     breaker_open_seconds: float = 10.0
@@ -85,6 +112,20 @@ class RouterConfig:
     def all_workers(self) -> tuple[WorkerSpec, ...]:
         return self.prefill + self.decode + self.worker
 
+    @property
+    def health(self) -> HealthConfig:
+        unresponsive = self.health_unresponsive_timeout
+        if unresponsive is None:
+            unresponsive = self.health_failure_threshold * (self.health_check_interval + self.health_check_timeout)
+        return HealthConfig(
+            interval_s=self.health_check_interval,
+            probe_timeout_s=self.health_check_timeout,
+            failure_threshold=self.health_failure_threshold,
+            success_threshold=self.health_success_threshold,
+            unresponsive_after_s=unresponsive,
+            pair_probe_timeout_s=max(self.health_check_timeout, min(self.request_timeout, 30.0)),
+        )
+
     def validate(self) -> None:
         if self.worker and (self.prefill or self.decode):
             raise ValueError("--worker (colocated) cannot be combined with --prefill/--decode")
@@ -95,6 +136,13 @@ class RouterConfig:
             raise ValueError("max_retries must be >= 0, request_timeout and health_check_interval > 0")
         if min(self.health_failure_threshold, self.health_success_threshold) < 1:
             raise ValueError("health thresholds must be >= 1")
+        if self.health_check_timeout <= HEALTH_ANSWER_BOUND_S:
+            raise ValueError(
+                f"health_check_timeout must be longer than a worker's own /health bound "
+                f"({HEALTH_ANSWER_BOUND_S:g} s), got {self.health_check_timeout:g}"
+            )
+        if self.health.unresponsive_after_s <= self.health_check_timeout:
+            raise ValueError("health_unresponsive_timeout must be longer than health_check_timeout")
         if min(self.breaker_failure_threshold, self.breaker_success_threshold) < 1:
             raise ValueError("breaker thresholds must be >= 1")
         urls = [w.url for w in self.all_workers()]
@@ -170,6 +218,9 @@ def build_parser() -> argparse.ArgumentParser:
         "max_body_bytes",
     ):
         p.add_argument("--" + name.replace("_", "-"), type=int, default=d[name])
+    p.add_argument("--health-unresponsive-timeout", type=float, default=d["health_unresponsive_timeout"],
+                   help="seconds without any answer (probe or request) before a worker is down "
+                        "(default: failure threshold x (interval + timeout))")
     p.add_argument("--log-level", default=d["log_level"])
     return p
 
@@ -181,4 +232,4 @@ def replace(cfg: RouterConfig, **changes: object) -> RouterConfig:
     return out
 
 
-__all__ = ["POLICIES", "RouterConfig", "Role", "WorkerSpec", "build_parser", "normalize_url", "replace"]
+__all__ = ["POLICIES", "HealthConfig", "RouterConfig", "Role", "WorkerSpec", "build_parser", "normalize_url", "replace"]

@@ -1,10 +1,12 @@
 """Periodic health checks and the readiness gate.
 
-Every `health_check_interval` s each worker gets GET /health (bounded by
-`health_check_timeout`); `health_failure_threshold` failures in a row mark it
-down, `health_success_threshold` successes mark it up (a new worker: its first
-success). A prefill worker without a configured bootstrap port learns it from
-GET /server_info.
+Every `health.interval_s` each worker gets GET /health (bounded by
+`health.probe_timeout_s`); the outcome (ok, timeout, refused, reset, a non-200
+status) goes to the worker's HealthState (health_state.py), which tells slow from
+dead: a timeout only raises the load estimate, a worker that answered requests
+since the last probe is alive whatever the probe says, refused/reset/5xx are
+failures. All timings come from `RouterConfig.health`. A prefill worker without
+a configured bootstrap port learns it from GET /server_info.
 
 Ready (GET /health of the router) = at least one healthy worker of each role AND,
 in PD mode, one real bootstrap round trip succeeded: a tiny /generate
@@ -18,12 +20,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
+import time
 import uuid
 
 import httpx
 import msgspec
 
 from router.config import RouterConfig
+from router.health_state import ProbeOutcome
 from router.metrics import RouterMetrics
 from router.plan import Bootstrap, GenerationPlan
 from router.registry import WorkerRegistry
@@ -49,7 +53,7 @@ class HealthChecker:
         return self.pd_verified and all(self.registry.available(r) for r in self.registry.roles)
 
     def start(self) -> None:
-        self._client = httpx.AsyncClient(timeout=self.cfg.health_check_timeout, trust_env=False,
+        self._client = httpx.AsyncClient(timeout=self.cfg.health.probe_timeout_s, trust_env=False,
                                          limits=httpx.Limits(max_keepalive_connections=64))
         self._task = asyncio.ensure_future(self._loop())
 
@@ -66,7 +70,7 @@ class HealthChecker:
                 await self.check_all()
             except Exception:
                 logger.exception("health round failed")
-            await asyncio.sleep(self.cfg.health_check_interval)
+            await asyncio.sleep(self.cfg.health.interval_s)
 
     async def check_all(self) -> None:
         workers = self.registry.all()
@@ -78,23 +82,32 @@ class HealthChecker:
                 await self.probe_pair()
 
     async def check_worker(self, w: Worker) -> None:
+        outcome = await self.probe(w)
+        transition = w.health.record(outcome, self.cfg.health, now=time.monotonic(), progress_at=w.last_progress_at)
+        self.metrics.health_checks.labels(w.role, outcome.kind).inc()
+        if transition is not None:
+            self.metrics.health_transitions.labels(w.role, transition).inc()
+            logger.warning("worker %s (%s) is now %s%s", w.url, w.role, transition.upper(),
+                           f": {w.health.last_error}" if w.health.last_error else "")
+
+    async def probe(self, w: Worker) -> ProbeOutcome:
+        """GET /health once (and /server_info for a prefill's bootstrap port), classified."""
         assert self._client is not None, "HealthChecker.start() was not called"
-        error = None
         try:
             resp = await self._client.get(w.url + "/health")
             if resp.status_code != 200:
-                error = f"/health returned {resp.status_code}"
-            elif w.role == "prefill" and w.bootstrap_port is None:
+                return ProbeOutcome("status", f"/health returned {resp.status_code}: {_reason(resp)}")
+            if w.role == "prefill" and w.bootstrap_port is None:
                 w.bootstrap_port = await self._learn_bootstrap_port(w)
+        except httpx.TimeoutException as e:
+            return ProbeOutcome("timeout", f"no answer within {self.cfg.health.probe_timeout_s:g}s ({_name(e)})")
+        except httpx.ConnectError as e:
+            return ProbeOutcome("refused", _name(e))
         except httpx.HTTPError as e:
-            error = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+            return ProbeOutcome("reset", _name(e))
         except (msgspec.DecodeError, ValueError, TypeError) as e:
-            error = f"bad /server_info: {e}"
-        cfg = self.cfg
-        self.metrics.health_checks.labels(w.role, "ok" if error is None else "fail").inc()
-        if w.health.record(error is None, error, cfg.health_failure_threshold, cfg.health_success_threshold):
-            logger.warning("worker %s (%s) is now %s%s", w.url, w.role, "UP" if w.health.healthy else "DOWN",
-                           f": {error}" if error else "")
+            return ProbeOutcome("server_info", f"bad /server_info: {e}")
+        return ProbeOutcome("ok")
 
     async def _learn_bootstrap_port(self, w: Worker) -> int:
         assert self._client is not None
@@ -119,7 +132,7 @@ class HealthChecker:
                               {"max_new_tokens": 1, "temperature": 0.0}, stream=False)
         rid = "health-" + uuid.uuid4().hex
         body = plan.worker_body(rid, Bootstrap(p.host, p.bootstrap_port, secrets.randbits(63)), stream=False)
-        timeout = max(self.cfg.health_check_timeout, min(self.cfg.request_timeout, 30.0))
+        timeout = self.cfg.health.pair_probe_timeout_s
         headers = {"Content-Type": "application/json", "X-Request-Id": rid}
         try:
             rp, rd = await asyncio.gather(
@@ -131,9 +144,26 @@ class HealthChecker:
         else:
             if rp.status_code == 200 and rd.status_code == 200:
                 self.pd_verified, self.last_probe_error = True, None
+                p.note_progress()
+                d.note_progress()
                 logger.info("bootstrap round trip %s -> %s succeeded; router is ready", p.url, d.url)
                 return True
             self.last_probe_error = (f"prefill {p.url} -> {rp.status_code} {rp.text[:200]}; "
                                      f"decode {d.url} -> {rd.status_code} {rd.text[:200]}")
         logger.warning("bootstrap round trip failed: %s", self.last_probe_error)
         return False
+
+
+def _name(e: Exception) -> str:
+    return f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+
+
+def _reason(resp: httpx.Response) -> str:
+    """The worker's own words from an error body (docs/generate_api.md shape), else its start."""
+    try:
+        err = msgspec.json.decode(resp.content).get("error")
+        if isinstance(err, dict) and "message" in err:
+            return str(err["message"])[:300]
+    except (msgspec.DecodeError, AttributeError):
+        pass
+    return resp.text[:300]

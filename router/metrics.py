@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from router.registry import WorkerRegistry
@@ -22,19 +22,25 @@ class _WorkerCollector(Collector):
     def __init__(self, registry: WorkerRegistry) -> None:
         self.registry = registry
 
-    def collect(self) -> Iterator[GaugeMetricFamily]:
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
         labels = ["url", "role"]
         healthy = GaugeMetricFamily("router_worker_healthy", "1 if the worker passes health checks", labels=labels)
         breaker = GaugeMetricFamily("router_worker_breaker_state", "0 closed, 1 half-open, 2 open", labels=labels)
         reqs = GaugeMetricFamily("router_worker_inflight_requests", "requests in flight", labels=labels)
         toks = GaugeMetricFamily("router_worker_inflight_tokens", "tokens of requests in flight", labels=labels)
+        load = GaugeMetricFamily("router_worker_load", "load estimate: in flight + slow-probe penalty", labels=labels)
+        panic = CounterMetricFamily("router_panic_routed", "picks made among down workers (no healthy one of "
+                                    "the role)", labels=["role"])
         for w in self.registry.all():
             lv = [w.url, w.role]
             healthy.add_metric(lv, 1.0 if w.health.healthy else 0.0)
             breaker.add_metric(lv, float(w.breaker.state))
             reqs.add_metric(lv, float(w.in_flight_requests))
             toks.add_metric(lv, float(w.in_flight_tokens))
-        yield from (healthy, breaker, reqs, toks)
+            load.add_metric(lv, float(w.load))
+        for role, n in self.registry.panic_picks.items():
+            panic.add_metric([role], float(n))
+        yield from (healthy, breaker, reqs, toks, load, panic)
 
 
 class RouterMetrics:
@@ -50,7 +56,10 @@ class RouterMetrics:
                              buckets=_LATENCY_BUCKETS, registry=r)
         self.retries = Counter("router_retries", "attempts retried", ["reason"], registry=r)
         self.errors = Counter("router_errors", "failed requests by cause", ["cause"], registry=r)
-        self.health_checks = Counter("router_health_checks", "health probes", ["role", "result"], registry=r)
+        self.health_checks = Counter("router_health_checks", "health probes by outcome (ok, timeout, refused, "
+                                     "reset, status, server_info)", ["role", "result"], registry=r)
+        self.health_transitions = Counter("router_worker_health_transitions", "workers marked up or down",
+                                          ["role", "to"], registry=r)
         r.register(_WorkerCollector(registry))
 
     def render(self) -> bytes:

@@ -13,9 +13,13 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
+from common.model.context_length import (
+    ContextLengthError,
+    model_context_length,
+    read_config_json,
+    resolve_context_length,
+)
 from router.errors import ApiError
-
-_CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length", "n_ctx")
 
 
 @dataclass(frozen=True)
@@ -29,12 +33,14 @@ class ModelInfo:
     @classmethod
     def load(cls, model_path: str, served_name: str | None = None, context_length: int | None = None) -> ModelInfo:
         tokenizer = load_tokenizer(model_path)
-        ctx = context_length or _context_from_config(Path(model_path))
-        if ctx is None:
+        config = read_config_json(model_path)
+        if model_context_length(config) is None and context_length is None:
             limit = getattr(tokenizer, "model_max_length", None)
-            ctx = limit if isinstance(limit, int) and 0 < limit < 10_000_000 else None
-        if ctx is None:
-            raise ValueError(f"cannot find the context length of {model_path}; pass --context-length")
+            context_length = limit if isinstance(limit, int) and 0 < limit < 10_000_000 else None
+        try:
+            ctx = resolve_context_length(config, context_length)
+        except ContextLengthError:
+            raise ValueError(f"cannot find the context length of {model_path}; pass --context-length") from None
         return cls(served_name or model_path, model_path, int(ctx), len(tokenizer), tokenizer)
 
     @property
@@ -93,16 +99,3 @@ def _encode(tokenizer: Any, text: str) -> list[int]:
 @lru_cache(maxsize=65536)
 def _token_text(tokenizer: Any, token_id: int) -> str:
     return tokenizer.decode([token_id], skip_special_tokens=False)  # type: ignore[no-any-return]
-
-
-def _context_from_config(path: Path) -> int | None:
-    try:
-        cfg: dict[str, Any] = json.loads((path / "config.json").read_text())
-    except (OSError, ValueError):
-        return None
-    for scope in (cfg, cfg.get("text_config") or {}):
-        for key in _CONTEXT_KEYS:
-            v = scope.get(key)
-            if isinstance(v, int) and v > 0:
-                return v
-    return None

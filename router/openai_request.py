@@ -15,7 +15,7 @@ from typing import Any
 import msgspec
 
 from common.sampling_params import SamplingParams
-from common.server.protocol import MAX_TOP_LOGPROBS
+from kv_transfer.aux_format import MAX_TOP_LOGPROBS
 from router.errors import ApiError, bad_request
 from router.fields import get_bool, get_float, get_int, get_stop, get_str, get_token_ids
 from router.model_info import ModelInfo

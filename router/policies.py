@@ -26,7 +26,7 @@ class Policy(ABC):
 
 
 def _least_loaded(candidates: Sequence[Worker]) -> Worker:
-    return min(candidates, key=lambda w: (w.in_flight_requests, w.in_flight_tokens))
+    return min(candidates, key=lambda w: (w.load, w.in_flight_tokens))
 
 
 class RoundRobinPolicy(Policy):
@@ -52,7 +52,7 @@ class RandomPolicy(Policy):
 
 
 class PowerOfTwoPolicy(Policy):
-    """Sample two distinct workers, take the one with fewer in-flight requests (then tokens)."""
+    """Sample two distinct workers, take the less loaded (in-flight requests + slow-probe penalty, then tokens)."""
 
     name = "power_of_two"
 

@@ -3,10 +3,16 @@
 Owns every Worker. Static workers come from the config; `add`/`remove` serve
 POST/DELETE /workers at runtime. A removed worker keeps serving the requests it
 already has (their LoadGuards still point at it) but is never picked again.
+
+Panic routing (Envoy's panic threshold): when a role has no available worker but
+some are down only because their probes fail while they still answer (a 5xx or a
+reset, not a refused connection or silence), `select` picks among those instead of
+answering 503; `panic_picks` counts it per role.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 
 from router.breaker import CircuitBreaker
@@ -16,6 +22,7 @@ from router.policies import Policy, make_policy
 from router.worker import Worker
 
 ROLE_LABEL = {"prefill": "prefill", "decode": "decode", "colocated": "worker"}
+logger = logging.getLogger("router.registry")
 
 
 class WorkerRegistry:
@@ -39,6 +46,8 @@ class WorkerRegistry:
             )
             for r in self.roles
         }
+        self.panic_picks: dict[Role, int] = {r: 0 for r in self.roles}
+        self._panicking: set[Role] = set()
         for spec in cfg.all_workers():
             self.add(spec)
 
@@ -82,6 +91,12 @@ class WorkerRegistry:
 
         Raises ApiError 503 if none is available."""
         candidates = self.available(role)
+        if candidates:
+            if role in self._panicking:
+                self._panicking.discard(role)
+                logger.warning("%s workers healthy again: panic routing ends", ROLE_LABEL[role])
+        else:
+            candidates = self._panic_candidates(role)
         if not candidates:
             total = len(self._workers[role])
             raise ApiError(
@@ -92,3 +107,15 @@ class WorkerRegistry:
             )
         preferred = [w for w in candidates if w.url not in exclude] if exclude else candidates
         return self.policies[role].select(preferred or candidates, input_ids)
+
+    def _panic_candidates(self, role: Role) -> list[Worker]:
+        out = [w for w in self._workers[role] if w.panic_available]
+        if out:
+            self.panic_picks[role] += 1
+            if role not in self._panicking:
+                self._panicking.add(role)
+                logger.warning(
+                    "no healthy %s worker: panic routing to %d worker(s) that fail probes but still answer (%s)",
+                    ROLE_LABEL[role], len(out), "; ".join(f"{w.url}: {w.health.last_error}" for w in out),
+                )
+        return out

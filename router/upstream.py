@@ -134,8 +134,10 @@ class Attempt:
             raise UpstreamError(502, f"{self.decode.url}: empty response stream", type="bad_upstream_response",
                                 worker_url=self.decode.url) from None
         self.decode_started = True
+        self.decode.note_progress()
         yield first
         async for ev in d_events:
+            self.decode.note_progress()  # proof of life for the health checker, whatever /health says
             yield ev
         self.d_guard.finish(True)
 
@@ -182,6 +184,7 @@ class Attempt:
             if resp.status != 200:
                 raise UpstreamError.from_body(resp.status, raw, p.url)
             _check_event(_decode(raw, p), raw, p)
+            p.note_progress()
         except UpstreamError as e:
             self.prefill_error = e
             guard.finish(False if e.worker_fault else None)

@@ -1,45 +1,21 @@
 """One upstream instance as the router sees it: health, circuit breaker, load.
 
 The registry owns Worker objects; the health checker writes `health`; the
-dispatcher writes the load counters (through `LoadGuard`) and the breaker
-outcomes; policies only read. All on the event loop, so no locking.
+dispatcher writes the load counters (through `LoadGuard`), the breaker
+outcomes and `last_progress_at` (every answer or streamed event from the
+worker: proof of life the health state weighs against a failed probe);
+policies only read. All on the event loop, so no locking.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import time
 from typing import Any
 from urllib.parse import urlsplit
 
 from router.breaker import BreakerState, CircuitBreaker
 from router.config import Role
-
-
-@dataclass
-class HealthState:
-    healthy: bool = False  # a new worker is routable after its first successful check
-    checked: bool = False
-    consecutive_failures: int = 0
-    consecutive_successes: int = 0
-    last_error: str | None = None
-
-    def record(self, ok: bool, error: str | None, failure_threshold: int, success_threshold: int) -> bool:
-        """Apply one check result; returns True if `healthy` changed."""
-        before = self.healthy
-        if ok:
-            self.consecutive_successes += 1
-            self.consecutive_failures = 0
-            self.last_error = None
-            if not self.checked or self.consecutive_successes >= success_threshold:
-                self.healthy = True
-        else:
-            self.consecutive_failures += 1
-            self.consecutive_successes = 0
-            self.last_error = error
-            if not self.checked or self.consecutive_failures >= failure_threshold:
-                self.healthy = False
-        self.checked = True
-        return before != self.healthy
+from router.health_state import HealthState
 
 
 class Worker:
@@ -50,6 +26,7 @@ class Worker:
         self.bootstrap_port = bootstrap_port
         self.breaker = breaker
         self.health = HealthState()
+        self.last_progress_at: float | None = None
         self.in_flight_requests = 0
         self.in_flight_tokens = 0
         self.total_requests = 0
@@ -64,8 +41,20 @@ class Worker:
         return self.role != "prefill" or self.bootstrap_port is not None
 
     @property
+    def panic_available(self) -> bool:
+        """Routable in panic mode (no healthy worker of the role): down by probes alone, still answering."""
+        if self.removed or not self.health.panic_routable or not self.breaker.allows():
+            return False
+        return self.role != "prefill" or self.bootstrap_port is not None
+
+    @property
     def load(self) -> int:
-        return self.in_flight_requests
+        """In-flight requests, plus a penalty while its health probes time out (a busy worker)."""
+        return self.in_flight_requests + self.health.load_penalty
+
+    def note_progress(self) -> None:
+        """The worker answered a request or streamed an event: it is alive."""
+        self.last_progress_at = time.monotonic()
 
     def acquire(self, tokens: int) -> LoadGuard:
         self.in_flight_requests += 1
@@ -82,6 +71,9 @@ class Worker:
             "healthy": self.health.healthy,
             "available": self.available,
             "last_error": self.health.last_error,
+            "down_kind": self.health.down_kind,
+            "probe_timeouts": self.health.consecutive_timeouts,
+            "load": self.load,
             "breaker": self.breaker.state.name.lower(),
             "in_flight_requests": self.in_flight_requests,
             "in_flight_tokens": self.in_flight_tokens,

@@ -20,6 +20,8 @@ from typing import Any
 
 import torch
 
+from common.model.context_length import model_context_length
+
 logger = logging.getLogger(__name__)
 
 SUPPORTED_ARCHS = ("llama", "mistral", "qwen2", "qwen3")
@@ -141,14 +143,12 @@ def _rope_params(hf: Any) -> tuple[float, str, dict[str, Any] | None]:
 
 
 def _context_length(hf: Any) -> int:
-    ctx = int(getattr(hf, "max_position_embeddings", 0) or 0)
-    if ctx <= 0:
+    ctx = model_context_length(hf.to_dict())
+    if ctx is None:
         raise ModelConfigError("config has no max_position_embeddings")
-    window = getattr(hf, "sliding_window", None)
-    if window is not None and getattr(hf, "use_sliding_window", True) and int(window) < ctx:
-        # Full attention equals sliding-window attention as long as no sequence outgrows the window.
-        logger.warning("sliding_window=%d < max_position_embeddings=%d: capping the context", window, ctx)
-        ctx = int(window)
+    positions = int(getattr(hf, "max_position_embeddings", 0) or 0)
+    if ctx < positions:
+        logger.warning("sliding_window=%d < max_position_embeddings=%d: capping the context", ctx, positions)
     return ctx
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -29,19 +30,19 @@ class ModelRunner:
         *,
         dtype: str | torch.dtype = "auto",
         device: torch.device | str = "cpu",
-        kv_pool: KVPool,
+        kv_pool: KVPool | Callable[[], KVPool],
         req_to_token: torch.Tensor,
-        attention_backend: str = "torch",
+        attention_backend: str = "auto",
     ) -> None:
-        """model_path: an HF checkpoint dir (see default_model.resolve_model_path for "default")."""
+        """model_path: an HF checkpoint dir (see default_model.resolve_model_path for "default").
+        kv_pool: the pool, or a function that builds it, called once the weights are loaded (so a
+        GPU pool can be sized from the memory the weights left, see memory_budget.py)."""
         self.model_config = ModelConfig.from_pretrained(model_path)
         self.device = torch.device(device)
         self.dtype = resolve_dtype(dtype, self.device)
-        self.kv_pool = kv_pool
         self.req_to_token = req_to_token
-        _check_pool(self.model_config, kv_pool, self.device)
-        if req_to_token.device != kv_pool.device:
-            raise ValueError(f"req_to_token is on {req_to_token.device}, the KV pool on {kv_pool.device}")
+        if isinstance(kv_pool, KVPool):
+            self._check_kv_memory(kv_pool)
         start = time.perf_counter()
         self.model = build_model(self.model_config, dtype=self.dtype, device=self.device)
         logger.info(
@@ -53,6 +54,10 @@ class ModelRunner:
             self.device,
             time.perf_counter() - start,
         )
+        if not isinstance(kv_pool, KVPool):
+            kv_pool = kv_pool()
+            self._check_kv_memory(kv_pool)
+        self.kv_pool = kv_pool
         shape = AttentionShape(
             num_heads=self.model_config.num_heads,
             num_kv_heads=self.model_config.num_kv_heads,
@@ -62,6 +67,11 @@ class ModelRunner:
         self.attn_backend = create_attention_backend(
             attention_backend, shape=shape, kv_pool=kv_pool, req_to_token=req_to_token
         )
+
+    def _check_kv_memory(self, kv_pool: KVPool) -> None:
+        _check_pool(self.model_config, kv_pool, self.device)
+        if self.req_to_token.device != kv_pool.device:
+            raise ValueError(f"req_to_token is on {self.req_to_token.device}, the KV pool on {kv_pool.device}")
 
     @property
     def vocab_size(self) -> int:

@@ -14,6 +14,7 @@ import torch
 from common.model.forward_batch import ForwardBatch
 from common.model.model_runner import ModelRunner
 from common.model.sampler import Sampler, SamplingBatchInfo
+from common.scheduler import step_fault
 from common.scheduler.executor import StepResult, WorkerBatch
 
 
@@ -58,6 +59,7 @@ class TorchModelWorker:
     @torch.inference_mode()
     def run(self, batch: WorkerBatch) -> StepResult:
         start = time.perf_counter()
+        step_fault.before_forward()  # test-only: --engine-fault-spec makes this forward slow or hang
         self._apply_slot_writes(batch)
         fb = self._forward_batch(batch)
         for s in batch.sampling:

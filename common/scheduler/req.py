@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from common.sampling_params import SamplingParams
-from common.server.io_struct import FinishReason
+from common.scheduler.messages import BootstrapInfo, FinishReason
 
 
 class ReqState(enum.Enum):
@@ -46,6 +46,7 @@ class Req:
     top_logprobs_num: int = 0
     priority: int = 0
     eos_token_ids: frozenset[int] = frozenset()
+    bootstrap: BootstrapInfo | None = None  # PD: the prefill peer and room of this request's KV
     arrival_time: float = field(default_factory=time.monotonic)
 
     state: ReqState = ReqState.WAITING
@@ -70,9 +71,6 @@ class Req:
     sent_len: int = 0
     retractions: int = 0
     needs_sampler_reset: bool = False
-    ignore_in_dedup_round: bool = False
-    # role-specific attachments (e.g. a KV sender/receiver in PD mode)
-    extra: dict[str, Any] = field(default_factory=dict)
 
     @property
     def kv_len(self) -> int:

@@ -9,7 +9,8 @@ One iteration (`step`):
 Normal mode processes each batch's result right after submitting it. Overlap is
 skipped for two consecutive prefill batches (the first one's token is streamed
 before the second prefill runs: better TTFT). Roles (prefill/decode in PD mode)
-extend this class through the hooks at the bottom.
+subclass it and override the role methods at the bottom, each of which this class calls;
+they are built by common/scheduler/role.py's RoleSpec.
 """
 
 from __future__ import annotations
@@ -24,12 +25,12 @@ from common.model.forward_batch import ForwardMode
 from common.scheduler.config import SchedulerConfig
 from common.scheduler.executor import Executor, FutureIndexAllocator, StepHandle, StepResult
 from common.scheduler.kv_manager import ReqKVManager
+from common.scheduler.messages import FinishReason, TokenOut
 from common.scheduler.new_token_ratio import NewTokenRatioTracker
 from common.scheduler.policy import SchedulePolicy
 from common.scheduler.prefill_adder import AddResult, PrefillAdder
 from common.scheduler.req import Req, ReqState
 from common.scheduler.schedule_batch import BatchBuilder, ScheduleBatch
-from common.server.io_struct import FinishReason, TokenOut
 
 logger = logging.getLogger(__name__)
 
@@ -196,14 +197,12 @@ class Scheduler:
     def _get_prefill_batch(self) -> ScheduleBatch | None:
         if not self.waiting and self.chunked is None:
             return None
-        if not self.can_admit_new_requests() and self.chunked is None:
-            return None
         max_new = self.cfg.max_running_requests - len(self.running) - (1 if self.chunked else 0)
         adder = PrefillAdder(self.kv, self.running, self.cfg, new_token_ratio=self.ratio.value, max_new_reqs=max_new)
         if self.chunked is not None:
             chunked, self.chunked = self.chunked, None
             adder.add_chunked(chunked)
-        if adder.new_chunked is None and self.can_admit_new_requests():
+        if adder.new_chunked is None:
             ordered = self.policy.order(self.waiting, self._prefix_len)
             for req in ordered:
                 slots, node = self.kv.match_prefix(req.fill_ids)
@@ -320,9 +319,6 @@ class Scheduler:
         self.waiting.insert(0, req)
 
     # ---- hooks for roles -----------------------------------------------------------------
-    def can_admit_new_requests(self) -> bool:
-        return True
-
     def can_retract_last(self, req: Req) -> bool:
         """The last running request cannot grow. Colocated: nothing else holds KV that will come
         back, so it fails. Roles whose other requests hold pages (decode) retract it instead."""
@@ -425,6 +421,11 @@ class Scheduler:
             self.output(out)
 
     def flush(self) -> None:
+        """End of a loop iteration: send outputs produced outside a step (e.g. by transfer polls)
+        and free deferred pages when no step is in flight (a request that finished without a
+        step, e.g. on its first token in PD decode, would otherwise hold them until the next one)."""
+        if self.in_flight is None:
+            self.kv.free_deferred()
         self._flush_outbox()
 
     # ---- observability ----------------------------------------------------------------------

@@ -7,11 +7,15 @@ it has died and why, and stops it (SIGTERM, then SIGKILL after a bound).
 Inside the child, `_engine_entry` sets up logging, ignores SIGINT (Ctrl-C in a
 terminal reaches the whole process group; the frontend decides when the engine
 stops), and exits on its own when its parent frontend disappears, so an engine
-never outlives its frontend even after a kill -9.
+never outlives its frontend even after a kill -9. It also arms the test-only step
+fault (--engine-fault-spec) and faulthandler on SIGUSR1, so `dump_stacks()` puts
+every engine thread's stack in the log (the watchdog does it before it stops a
+hung engine).
 """
 
 from __future__ import annotations
 
+import faulthandler
 import logging
 import multiprocessing
 import os
@@ -21,7 +25,9 @@ import threading
 import time
 from collections.abc import Callable
 
+from common.scheduler import step_fault
 from common.server.ipc import EngineIpcAddrs
+from common.server.liveness import step_clock_path
 from common.server.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
@@ -41,12 +47,15 @@ def _exit_when_orphaned(parent_pid: int, addrs: EngineIpcAddrs) -> None:
         if os.getppid() != parent_pid:
             logger.error("frontend process %d is gone; engine exits", parent_pid)
             addrs.remove_files()  # the frontend could not
+            _unlink(step_clock_path(addrs))
             os._exit(1)
 
 
 def _engine_entry(engine_main: EngineMain, args: ServerArgs, addrs: EngineIpcAddrs, parent_pid: int) -> None:
     configure_logging(args.log_level)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
+    step_fault.install(args.engine_fault_spec)
     threading.Thread(
         target=_exit_when_orphaned, args=(parent_pid, addrs), name="orphan-watch", daemon=True
     ).start()
@@ -55,6 +64,13 @@ def _engine_entry(engine_main: EngineMain, args: ServerArgs, addrs: EngineIpcAdd
     except Exception:
         logger.exception("engine failed")
         sys.exit(1)
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
 
 
 class EngineHandle:
@@ -75,6 +91,11 @@ class EngineHandle:
     @property
     def pid(self) -> int | None:
         return self._proc.pid
+
+    def dump_stacks(self) -> None:
+        """Ask the engine to write every thread's stack to the log (faulthandler, SIGUSR1)."""
+        if self._proc.pid is not None and self._proc.is_alive():
+            os.kill(self._proc.pid, signal.SIGUSR1)
 
     def dead_reason(self) -> str | None:
         """None while the engine runs, else how it ended."""

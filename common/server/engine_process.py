@@ -1,10 +1,13 @@
 """The engine process of an instance: receive requests over ZMQ, step the scheduler, send tokens.
 
     loop:  recv (non-blocking when busy, short wait when idle) -> handle messages
-           -> scheduler.step() -> token outputs go to the frontend as BatchTokenOut
+           -> PD roles: poll the KV transfers -> scheduler.step()
+           -> token outputs go to the frontend as BatchTokenOut
 
-Roles (prefill/decode) subclass EngineLoop: `make_scheduler_kwargs` / `on_generate`
-/ `before_step` are the seams. The loop exits when the frontend (parent) dies.
+One EngineLoop for every role: what differs (scheduler, transfer manager, radix cache,
+deferred frees, bootstrap requirement) is the RoleSpec the role's engine main hands in
+(common/scheduler/role.py), consumed whole by build_engine_core. The loop exits when the
+frontend (parent) dies.
 """
 
 from __future__ import annotations
@@ -13,11 +16,11 @@ import logging
 import os
 import signal
 import time
-from typing import Any
 
 from common.engine_core import EngineCore, build_engine_core
 from common.scheduler.req import Req
-from common.scheduler.scheduler import RequestRejected, Scheduler
+from common.scheduler.role import COLOCATED, RoleSpec
+from common.scheduler.scheduler import RequestRejected
 from common.server.io_struct import (
     AbortReq,
     BatchTokenOut,
@@ -28,6 +31,7 @@ from common.server.io_struct import (
     TokenOut,
 )
 from common.server.ipc import EngineChannel, EngineIpcAddrs
+from common.server.liveness import StepClock, step_clock_path, stepping
 from common.server.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
@@ -38,41 +42,27 @@ PARENT_CHECK_S = 1.0
 
 
 class EngineLoop:
-    scheduler_cls: type[Scheduler] = Scheduler
-
-    def __init__(self, args: ServerArgs, channel: EngineChannel) -> None:
+    def __init__(self, args: ServerArgs, channel: EngineChannel, role: RoleSpec = COLOCATED) -> None:
         self.args = args
         self.channel = channel
-        self.core: EngineCore = build_engine_core(
-            args,
-            self._send_tokens,
-            scheduler_cls=self.scheduler_cls,
-            scheduler_kwargs=self.make_scheduler_kwargs(),
-        )
+        self.role = role
+        self.core: EngineCore = build_engine_core(args, self._send_tokens, role=role)
         self.scheduler = self.core.scheduler
         self.eos_token_ids = frozenset(self.core.model_config.eos_token_ids)
         self._parent = os.getppid()
         self._last_parent_check = time.monotonic()
         self.running = True
-        self.setup()
-
-    # ---- seams for roles --------------------------------------------------------------------
-    def adjust_args(self, args: ServerArgs) -> ServerArgs:
-        return args
-
-    def core_options(self) -> dict[str, Any]:
-        return {}
-
-    def make_scheduler_kwargs(self) -> dict[str, Any]:
-        return {}
-
-    def setup(self) -> None:
-        """Called once the engine core exists (roles start their transfer manager here)."""
 
     def shutdown(self) -> None:
         self.core.shutdown()
 
     def make_req(self, msg: GenerateReq) -> Req:
+        if self.role.needs_bootstrap:
+            if msg.bootstrap is None:
+                raise RequestRejected(f"a {self.role.name} instance needs bootstrap_host, bootstrap_port and bootstrap_room")
+            problem = self.health_problem()
+            if problem is not None:
+                raise RequestRejected(f"{self.role.name} instance cannot transfer KV: {problem}", status_code=503)
         return Req(
             rid=msg.rid,
             origin_input_ids=list(msg.input_ids),
@@ -82,20 +72,16 @@ class EngineLoop:
             top_logprobs_num=msg.top_logprobs_num,
             priority=msg.priority,
             eos_token_ids=self.eos_token_ids,
+            bootstrap=msg.bootstrap if self.role.needs_bootstrap else None,
         )
-
-    def on_generate(self, msg: GenerateReq) -> None:
-        self.scheduler.add_request(self.make_req(msg))
-
-    def before_step(self) -> None:
-        """Called every iteration before the scheduler steps (roles poll transfers here)."""
 
     def stats(self) -> dict[str, float]:
         return self.core.ready_stats()
 
     def health_problem(self) -> str | None:
         """Why this engine cannot serve though its loop runs (/health turns 503); None when fine."""
-        return None
+        transfer = self.core.transfer
+        return transfer.service.health() if transfer is not None else None
 
     # ---- loop -------------------------------------------------------------------------------
     def _send_tokens(self, items: list[TokenOut]) -> None:
@@ -108,7 +94,7 @@ class EngineLoop:
     def handle(self, msg: object) -> None:
         if isinstance(msg, GenerateReq):
             try:
-                self.on_generate(msg)
+                self.scheduler.add_request(self.make_req(msg))
             except RequestRejected as e:
                 self.reject(msg.rid, str(e), e.status_code)
         elif isinstance(msg, AbortReq):
@@ -123,7 +109,8 @@ class EngineLoop:
         self._last_parent_check = now
         return os.getppid() == self._parent
 
-    def run(self) -> None:
+    def run(self, step_clock: StepClock | None = None) -> None:
+        """step_clock: where each step's start and end go (the frontend's /health reads it)."""
         while self.running:
             if self.scheduler.has_runnable_work:
                 wait = 0.0
@@ -133,9 +120,11 @@ class EngineLoop:
                 wait = IDLE_WAIT_S
             for msg in self.channel.recv_requests(wait):
                 self.handle(msg)
-            self.before_step()
+            if self.core.transfer is not None:
+                self.core.transfer.poll()
             if self.scheduler.has_runnable_work:
-                self.scheduler.step()
+                with stepping(step_clock):
+                    self.scheduler.step()
             self.scheduler.flush()  # outputs produced outside a step (e.g. by transfer polls)
             if not self.scheduler.has_work:
                 self.scheduler.on_idle()  # reset new_token_ratio, check the pools once per idle spell
@@ -145,15 +134,17 @@ class EngineLoop:
         self.shutdown()
 
 
-def engine_main(args: ServerArgs, addrs: EngineIpcAddrs, loop_cls: type[EngineLoop] = EngineLoop) -> None:
+def engine_main(args: ServerArgs, addrs: EngineIpcAddrs, role: RoleSpec = COLOCATED) -> None:
+    """The engine process's body. A role's engine main builds its RoleSpec here, in the child."""
     logging.basicConfig(
         level=args.log_level.upper(),
         format="%(asctime)s %(levelname)s [engine pid=%(process)d] %(name)s: %(message)s",
     )
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the frontend owns Ctrl-C and stops us
     channel = EngineChannel(addrs)
+    step_clock = StepClock.attach(step_clock_path(addrs))
     try:
-        loop = loop_cls(args, channel)
+        loop = EngineLoop(args, channel, role)
         stats = loop.core.ready_stats()
         logger.info(
             "engine ready: model %s, KV pool %d tokens (%.1f MiB)",
@@ -162,6 +153,7 @@ def engine_main(args: ServerArgs, addrs: EngineIpcAddrs, loop_cls: type[EngineLo
             stats["kv_pool_bytes"] / 2**20,
         )
         channel.send_ready(stats)
-        loop.run()
+        loop.run(step_clock)
     finally:
         channel.close()
+        step_clock.close()

@@ -1,4 +1,11 @@
-"""The instance's HTTP app: /generate, /health, /server_info, /metrics, /abort_request.
+"""The instance's HTTP app: /generate, /health, /health_generate, /server_info, /metrics, /abort_request.
+
+/health is liveness: answered from the engine's step clock and the last known engine
+answer (common/server/liveness.py), in milliseconds, never waiting for a step; 200 while
+the engine process lives and is idle or in a step younger than --watchdog-timeout.
+/health_generate is SGLang's deep check (not what the router probes): a one-token
+generate on a colocated instance; on prefill or decode, which need a peer to generate,
+a stats round trip through the engine loop (answered between steps).
 
 One exception boundary: every failure leaves as the error shape of
 docs/generate_api.md ({"error": {"message", "type", "code"}}), including
@@ -11,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any
@@ -25,18 +33,20 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from common.server.protocol import (
     MAX_BODY_BYTES,
     ApiError,
+    GenerateRequestBody,
     decode_abort_body,
     decode_generate_body,
     error_body,
 )
 from common.server.req_state import ReqState
 from common.server.tokenizer_manager import TokenizerManager
+from common.timeouts import wait_within
 
 logger = logging.getLogger(__name__)
 
 DRAIN_LIMIT_BYTES = 64 * 1024 * 1024  # past this an oversized body is not even read to the end
 DISCONNECT_POLL_S = 0.1
-HEALTH_TIMEOUT_S = 5.0  # the engine answers between steps; a long CPU prefill step is slow
+HEALTH_GENERATE_TIMEOUT_S = 20.0  # SGLang's default for /health_generate
 METRICS_STATS_TIMEOUT_S = 1.0
 CLIENT_CLOSED_STATUS = 499
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -116,10 +126,17 @@ def create_app(manager: TokenizerManager, server_info: dict[str, Any]) -> FastAP
 
     @app.get("/health")
     async def health() -> Response:
-        await manager.get_stats(timeout_s=HEALTH_TIMEOUT_S)
-        if manager.engine_problem is not None:
-            raise ApiError(503, manager.engine_problem)
-        return _json(200, {"status": "ok"})
+        snap = manager.health()
+        return _json(200, {"status": "ok", "engine": snap.describe(time.monotonic())})
+
+    @app.get("/health_generate")
+    async def health_generate() -> Response:
+        manager.health()
+        if manager.args.disaggregation_mode == "null":
+            await _one_token_generate(manager, HEALTH_GENERATE_TIMEOUT_S)
+            return _json(200, {"status": "ok", "check": "generate"})
+        await manager.get_stats(timeout_s=HEALTH_GENERATE_TIMEOUT_S)
+        return _json(200, {"status": "ok", "check": "engine_round_trip"})
 
     @app.get("/server_info")
     async def info() -> Response:
@@ -141,6 +158,17 @@ def create_app(manager: TokenizerManager, server_info: dict[str, Any]) -> FastAP
         return _json(200, {"rid": rid, "aborted": True})
 
     return app
+
+
+async def _one_token_generate(manager: TokenizerManager, timeout_s: float) -> None:
+    body = GenerateRequestBody(input_ids=[0], sampling_params={"max_new_tokens": 1, "temperature": 0.0})
+    state = await manager.start(body, "health_generate-" + uuid.uuid4().hex)
+    try:
+        await wait_within(manager.collect(state), timeout_s)
+    except asyncio.TimeoutError:
+        raise ApiError(503, f"the engine did not generate a token within {timeout_s:g}s") from None
+    finally:
+        manager.release(state)
 
 
 async def _sse_events(manager: TokenizerManager, state: ReqState) -> AsyncIterator[bytes]:

@@ -11,26 +11,25 @@ Length policy (documented choice):
 from __future__ import annotations
 
 import ipaddress
-import json
 import logging
 import re
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import msgspec
 
+from common.model.context_length import ContextLengthError, read_config_json, resolve_context_length
 from common.sampling_params import SamplingParams
 from common.server.io_struct import BootstrapInfo, GenerateReq
-from common.server.protocol import MAX_BOOTSTRAP_ROOM, MAX_TOP_LOGPROBS, GenerateRequestBody, bad_request
+from common.server.protocol import MAX_BOOTSTRAP_ROOM, GenerateRequestBody, bad_request
 from common.server.server_args import ServerArgs
+from kv_transfer.aux_format import MAX_TOP_LOGPROBS
 
 logger = logging.getLogger(__name__)
 
 MAX_RID_LEN = 256
 # RFC 1123 host names (underscores tolerated); anything else must parse as an IP address.
 _HOSTNAME = re.compile(r"(?=.{1,253}$)[A-Za-z0-9_]([A-Za-z0-9_-]{0,61}[A-Za-z0-9_])?(\.[A-Za-z0-9_]([A-Za-z0-9_-]{0,61}[A-Za-z0-9_])?)*\.?")
-_CONTEXT_KEYS = ("max_position_embeddings", "max_sequence_length", "seq_length", "n_positions")
 
 
 @dataclass(frozen=True)
@@ -43,26 +42,16 @@ class ModelInfo:
     @classmethod
     def resolve(cls, args: ServerArgs, tokenizer: Any, engine_stats: dict[str, float]) -> ModelInfo:
         """Engine's ready stats first (it loaded the model), then flags, then config.json."""
-        config = _read_hf_config(args.model_path)
-        context = engine_stats.get("context_length") or args.context_length
+        config = read_config_json(args.model_path)
+        context = engine_stats.get("context_length")
         if not context:
-            context = next((config[k] for k in _CONTEXT_KEYS if isinstance(config.get(k), int)), None)
-        if not context:
-            raise RuntimeError(f"cannot tell the context length of {args.model_path}: pass --context-length")
-        vocab = engine_stats.get("vocab_size") or config.get("vocab_size") or len(tokenizer)
+            try:
+                context = resolve_context_length(read_config_json(args.model_path), args.context_length)
+            except ContextLengthError:
+                raise RuntimeError(f"cannot tell the context length of {args.model_path}: pass --context-length") from None
+        text_config = config.get("text_config") or {}
+        vocab = engine_stats.get("vocab_size") or text_config.get("vocab_size") or config.get("vocab_size") or len(tokenizer)
         return cls(context_length=int(context), vocab_size=int(vocab))
-
-
-def _read_hf_config(model_path: str | None) -> dict[str, Any]:
-    if model_path is None:
-        return {}
-    path = Path(model_path) / "config.json"
-    if not path.is_file():
-        return {}
-    with open(path) as f:
-        config: dict[str, Any] = json.load(f)
-    text_config = config.get("text_config")
-    return {**config, **text_config} if isinstance(text_config, dict) else config
 
 
 class InputProcessor:

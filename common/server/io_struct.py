@@ -14,16 +14,9 @@ from __future__ import annotations
 import msgspec
 
 from common.sampling_params import SamplingParams
+from common.scheduler.messages import BootstrapInfo, FinishReason, TokenOut
 
 PROTOCOL_VERSION = 1
-
-
-class BootstrapInfo(msgspec.Struct, frozen=True, array_like=True):
-    """Where decode finds the prefill that computes this request (PD mode only)."""
-
-    host: str
-    port: int
-    room: int
 
 
 class GenerateReq(msgspec.Struct, frozen=True, array_like=True, tag="gen"):
@@ -51,27 +44,6 @@ class StatsReq(msgspec.Struct, frozen=True, array_like=True, tag="stats"):
 EngineRequest = GenerateReq | AbortReq | StatsReq
 
 
-class FinishReason(msgspec.Struct, frozen=True, array_like=True):
-    type: str  # "stop" | "length" | "abort"
-    matched_token: int | None = None  # the stop/eos token id
-    message: str | None = None  # for "abort": why
-    status_code: int = 200  # HTTP status for errors (400 bad input, 500 internal, 503, 504 timeout)
-    err_type: str | None = None  # error type shown to the client (e.g. "kv_transfer_failed")
-
-
-class TokenOut(msgspec.Struct, frozen=True, array_like=True):
-    """New tokens of one request since the previous TokenOut of that request."""
-
-    rid: str
-    new_token_ids: list[int]
-    finish_reason: FinishReason | None
-    prompt_tokens: int
-    completion_tokens: int
-    cached_tokens: int
-    new_token_logprobs: list[float] | None = None
-    new_top_logprobs: list[list[tuple[int, float]]] | None = None
-
-
 class BatchTokenOut(msgspec.Struct, frozen=True, array_like=True, tag="tokens"):
     items: list[TokenOut]
 
@@ -87,3 +59,8 @@ EngineReply = BatchTokenOut | StatsResp
 ENGINE_REQUEST_DECODER = msgspec.msgpack.Decoder(EngineRequest)
 ENGINE_REPLY_DECODER = msgspec.msgpack.Decoder(EngineReply)
 ENCODER = msgspec.msgpack.Encoder()
+
+__all__ = [
+    "AbortReq", "BatchTokenOut", "BootstrapInfo", "EngineReply", "EngineRequest", "FinishReason", "GenerateReq",
+    "StatsReq", "StatsResp", "TokenOut",
+]

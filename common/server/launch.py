@@ -8,6 +8,9 @@
          StatsResp(seq=READY_SEQ, stats={pool sizes...}); fail fast if it dies
       5. serve uvicorn until SIGINT/SIGTERM; then refuse new connections, let in-flight
          requests finish (bounded by --graceful-shutdown-timeout) and stop the engine
+      6. or until the watchdog finds the engine hung (a step older than --watchdog-timeout
+         on the step clock, liveness.py): /health says 503 for WATCHDOG_EXIT_DELAY_S, the
+         engine's stacks go to the log, the engine is stopped and the process exits 1
 
 Keys the ready stats may carry (all optional, logged and shown in
 /server_info "pools"): context_length, vocab_size, max_total_tokens,
@@ -28,14 +31,23 @@ from typing import TYPE_CHECKING, Any
 
 from common.server.engine_handle import EngineHandle, EngineMain, configure_logging
 from common.server.ipc import READY_SEQ, EngineIpcAddrs, FrontendChannel
+from common.server.liveness import StepClock, step_clock_path
 from common.server.server_args import ServerArgs, parse_server_args
 
 if TYPE_CHECKING:
     from fastapi import FastAPI
 
+    from common.server.tokenizer_manager import TokenizerManager
+
 logger = logging.getLogger(__name__)
 
 AppHook = Callable[["FastAPI", ServerArgs], None]
+WATCHDOG_EXIT_DELAY_S = 3.0  # a hung instance answers /health 503 this long before its port closes
+ENGINE_STOP_TIMEOUT_S = 5.0
+
+
+class InstanceFailed(RuntimeError):
+    """The instance ended itself after it started (its engine hung). Logged where it is raised."""
 
 
 class LaunchError(RuntimeError):
@@ -74,17 +86,23 @@ def launch_server(
         raise LaunchError(f"cannot resolve the model path {server_args.model_path!r}: {e}") from e
     _check_port_free(args.host, args.port)
     addrs = EngineIpcAddrs.new()
+    step_clock = StepClock.create(step_clock_path(addrs))
     engine = EngineHandle(args, addrs, engine_main or _default_engine_main())
     previous = signal.signal(signal.SIGTERM, _sigterm_as_interrupt)
+    failure: str | None = None
     try:
         engine.start()
-        asyncio.run(_serve(args, addrs, engine, configure_app))
+        failure = asyncio.run(_serve(args, addrs, engine, step_clock, configure_app))
     except KeyboardInterrupt:
         logger.info("shutting down")
     finally:
         engine.stop()
         addrs.remove_files()
+        step_clock.remove()
         signal.signal(signal.SIGTERM, previous)
+    if failure is not None:
+        logger.error("instance exits: %s", failure)
+        raise InstanceFailed(failure)
 
 
 def _check_port_free(host: str, port: int) -> None:
@@ -142,13 +160,20 @@ def server_info(args: ServerArgs, context_length: int, stats: dict[str, float]) 
         "max_total_tokens": int(max_total) if max_total is not None else None,
         "disaggregation_mode": args.disaggregation_mode,
         "bootstrap_port": args.disaggregation_bootstrap_port if args.is_prefill else None,
+        # as the engine built its role (decode never keeps a prefix cache), not as flagged
+        "radix_cache": bool(stats.get("radix_cache_enabled", not args.disable_radix_cache)),
         "pools": stats,
     }
 
 
 async def _serve(
-    args: ServerArgs, addrs: EngineIpcAddrs, engine: EngineHandle, configure_app: AppHook | None
-) -> None:
+    args: ServerArgs,
+    addrs: EngineIpcAddrs,
+    engine: EngineHandle,
+    step_clock: StepClock,
+    configure_app: AppHook | None,
+) -> str | None:
+    """Serve until stopped; returns why the instance must fail (its engine hung), else None."""
     import uvicorn
 
     from common.server.http_server import create_app
@@ -172,10 +197,10 @@ async def _serve(
     _log_ready(stats, started)
     info = ModelInfo.resolve(args, tokenizer, stats)
     manager = TokenizerManager(
-        args, InputProcessor(tokenizer, info, args), channel, FrontendMetrics(), engine.dead_reason
+        args, InputProcessor(tokenizer, info, args), channel, FrontendMetrics(), engine.dead_reason, step_clock
     )
     manager.start_background()
-    app = create_app(manager, server_info(args, info.context_length, stats))
+    app = create_app(manager, {**server_info(args, info.context_length, stats), "engine_pid": engine.pid})
     if configure_app is not None:
         configure_app(app, args)
     config = uvicorn.Config(
@@ -188,10 +213,27 @@ async def _serve(
     )
     server = uvicorn.Server(config)
     logger.info("serving %s on %s (%s mode)", args.served_model_name, args.url(), args.disaggregation_mode)
+    end_when_hung = asyncio.ensure_future(_end_when_hung(manager, engine, server))
     try:
         await server.serve()
     finally:
+        end_when_hung.cancel()
+        await asyncio.gather(end_when_hung, return_exceptions=True)
         await manager.close()
+    return manager.engine_hung
+
+
+async def _end_when_hung(manager: TokenizerManager, engine: EngineHandle, server: Any) -> None:
+    """The watchdog found the engine hung: keep answering 503 a moment, then end the instance."""
+    await manager.fatal.wait()
+    engine.dump_stacks()
+    logger.error(
+        "the engine is hung (its thread stacks follow, from faulthandler); stopping it, exiting in %gs",
+        WATCHDOG_EXIT_DELAY_S,
+    )
+    await asyncio.sleep(WATCHDOG_EXIT_DELAY_S)
+    await asyncio.to_thread(engine.stop, ENGINE_STOP_TIMEOUT_S)
+    server.should_exit = True
 
 
 def main(argv: list[str] | None = None, engine_main: EngineMain | None = None, **defaults: Any) -> None:
@@ -199,5 +241,5 @@ def main(argv: list[str] | None = None, engine_main: EngineMain | None = None, *
     args = parse_server_args(argv, **defaults)
     try:
         launch_server(args, engine_main)
-    except LaunchError:
+    except (LaunchError, InstanceFailed):
         sys.exit(1)  # already logged where it happened

@@ -12,7 +12,6 @@ from typing import Any
 import msgspec
 
 MAX_BODY_BYTES = 8 * 1024 * 1024
-MAX_TOP_LOGPROBS = 20  # PD: the first token's top logprobs ride in the KV transfer's aux row
 MAX_BOOTSTRAP_ROOM = 2**63 - 1
 
 

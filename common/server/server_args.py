@@ -17,10 +17,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-SCHEDULE_POLICIES = ("fcfs", "lpm", "lof", "random", "priority")
-ATTENTION_BACKENDS = ("torch", "flashinfer")
+from common.scheduler.config import SCHEDULE_POLICIES, SchedulerConfig
+from common.scheduler.step_fault import StepFault
+from kv_transfer.base import TransferConfig
+from kv_transfer.endpoint import TRANSFER_BACKENDS
+
+ATTENTION_BACKENDS = ("auto", "torch", "flashinfer")
 DISAGGREGATION_MODES = ("null", "prefill", "decode")
-TRANSFER_BACKENDS = ("nixl",)
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
@@ -35,41 +38,43 @@ class ServerArgs:
     context_length: int | None = None
     dtype: str = "auto"
     device: str = "auto"
+    base_gpu_id: int = 0
     # HTTP
     host: str = "127.0.0.1"
     port: int = 30000
     request_timeout: float | None = None
     # Memory and scheduling
-    page_size: int = 16
-    chunked_prefill_size: int = 512
-    max_prefill_tokens: int = 4096
-    max_running_requests: int = 64
+    page_size: int = SchedulerConfig.page_size
+    chunked_prefill_size: int = SchedulerConfig.chunked_prefill_size
+    max_prefill_tokens: int = SchedulerConfig.max_prefill_tokens
+    max_running_requests: int = SchedulerConfig.max_running_requests
     max_total_tokens: int | None = None
     mem_fraction_static: float = 0.8
     kv_cache_gb: float = 1.0
-    schedule_policy: str = "lpm"
-    schedule_conservativeness: float = 1.0
+    schedule_policy: str = SchedulerConfig.schedule_policy
+    schedule_conservativeness: float = SchedulerConfig.schedule_conservativeness
     disable_overlap_schedule: bool = False
     enable_cpu_overlap_schedule: bool = False
     enable_mixed_chunk: bool = False
     disable_radix_cache: bool = False
-    attention_backend: str = "torch"
+    attention_backend: str = "auto"
     random_seed: int | None = None
     # Prefill/decode disaggregation
     disaggregation_mode: str = "null"
     disaggregation_bootstrap_port: int = 8998
     disaggregation_transfer_backend: str = "nixl"
     num_reserved_decode_tokens: int = 512
-    disaggregation_bootstrap_timeout: float = 300.0
-    disaggregation_transfer_timeout: float = 300.0
-    disaggregation_heartbeat_interval: float = 5.0
-    disaggregation_heartbeat_timeout: float = 15.0
-    disaggregation_handshake_timeout: float = 10.0
-    disaggregation_drain_timeout: float = 30.0
+    disaggregation_bootstrap_timeout: float = TransferConfig.bootstrap_timeout_s
+    disaggregation_transfer_timeout: float = TransferConfig.transfer_timeout_s
+    disaggregation_heartbeat_interval: float = TransferConfig.heartbeat_interval_s
+    disaggregation_heartbeat_timeout: float = TransferConfig.heartbeat_timeout_s
+    disaggregation_handshake_timeout: float = TransferConfig.handshake_timeout_s
+    disaggregation_drain_timeout: float = TransferConfig.drain_timeout_s
     disaggregation_fault_spec: str | None = None
     # Process lifecycle
     log_level: str = "info"
     watchdog_timeout: float = 300.0
+    engine_fault_spec: str | None = None
     engine_start_timeout: float = 600.0
     graceful_shutdown_timeout: float = 15.0
 
@@ -133,10 +138,19 @@ class ServerArgs:
             return f"--max-total-tokens {self.max_total_tokens} is smaller than one page ({self.page_size})"
         if self.attention_backend == "flashinfer" and self.device == "cpu":
             return "--attention-backend flashinfer needs CUDA; use --attention-backend torch on CPU"
+        if self.attention_backend == "flashinfer" and self.dtype == "float32":
+            return "--attention-backend flashinfer runs float16/bfloat16 only; use --dtype bfloat16 or --attention-backend torch"
+        if self.base_gpu_id < 0:
+            return f"--base-gpu-id must be >= 0, got {self.base_gpu_id}"
         if self.enable_mixed_chunk and self.disaggregation_mode != "null":
             return "--enable-mixed-chunk mixes prefill and decode in one batch; it needs --disaggregation-mode null"
-        if self.disaggregation_heartbeat_timeout < self.disaggregation_heartbeat_interval:
-            return "--disaggregation-heartbeat-timeout must be >= --disaggregation-heartbeat-interval"
+        if self.disaggregation_heartbeat_timeout <= self.disaggregation_heartbeat_interval:
+            return "--disaggregation-heartbeat-timeout must be > --disaggregation-heartbeat-interval"
+        if self.engine_fault_spec is not None:
+            try:
+                StepFault.parse(self.engine_fault_spec)
+            except ValueError as e:
+                return f"--engine-fault-spec: {e}"
         if self.disaggregation_mode == "prefill" and self.disaggregation_bootstrap_port == self.port:
             return f"--disaggregation-bootstrap-port must differ from --port ({self.port})"
         return None
@@ -202,6 +216,7 @@ _HELP: dict[str, str] = {
     "context_length": "max prompt + output tokens (default: the model's)",
     "dtype": "weight and KV dtype",
     "device": "auto = cuda when available, else cpu",
+    "base_gpu_id": "CUDA device index of this instance (cuda:N); pd.sh --gpus-per-host sets it per instance",
     "host": "HTTP bind address",
     "port": "HTTP port",
     "request_timeout": "seconds per request end to end at the frontend (default: off)",
@@ -218,7 +233,7 @@ _HELP: dict[str, str] = {
     "enable_cpu_overlap_schedule": "use the overlap loop on CPU too (default there: the normal loop, measured faster)",
     "enable_mixed_chunk": "run a prefill chunk and decode steps in one batch",
     "disable_radix_cache": "no prefix cache",
-    "attention_backend": "attention kernels",
+    "attention_backend": "attention kernels (auto: flashinfer on CUDA when installed, torch elsewhere)",
     "random_seed": "seed for sampling",
     "disaggregation_mode": "null (colocated), prefill or decode",
     "disaggregation_bootstrap_port": "prefill's bootstrap server port",
@@ -232,7 +247,8 @@ _HELP: dict[str, str] = {
     "disaggregation_drain_timeout": "decode: seconds an aborted transfer's pages stay held waiting for prefill's drain ack",
     "disaggregation_fault_spec": "test-only fault injection spec",
     "log_level": "logging level of both processes",
-    "watchdog_timeout": "seconds a forward step may take before the engine is declared hung",
+    "watchdog_timeout": "seconds one engine step may run before the engine counts as hung: /health turns 503 and the instance exits",
+    "engine_fault_spec": "test-only: make forward steps slow or hang (common/scheduler/step_fault.py)",
     "engine_start_timeout": "seconds to wait for the engine to load the model and report ready",
     "graceful_shutdown_timeout": "on SIGTERM: seconds in-flight requests may take to finish (new connections are refused at once)",
 }

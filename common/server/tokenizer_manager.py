@@ -1,12 +1,17 @@
 """The frontend's request table and its link to the engine.
 
 TokenizerManager owns rid -> ReqState for every request between `start` and
-`release`, the FrontendChannel, and two background tasks:
+`release`, the FrontendChannel, and three background tasks:
 
     _recv_loop:     engine replies -> the owning request's queue (TokenOut) or a
-                    stats waiter (StatsResp)
-    _watchdog_loop: engine process gone -> every in-flight request gets an
-                    error, new requests get 503, /health turns 503
+                    stats waiter (StatsResp); every StatsResp refreshes the last
+                    known engine stats and transfer health (`engine_problem`)
+    _watchdog_loop: engine process gone, or a step older than --watchdog-timeout
+                    on the step clock (liveness.py) -> every in-flight request
+                    gets an error, new requests get 503, /health turns 503; a hung
+                    engine also sets `fatal` and the launcher ends the instance
+    _refresh_loop:  asks the engine for stats every STATS_REFRESH_S (answered
+                    between steps), so /health never waits on the engine
 
 A request is released exactly once: when its stream ends, fails, times out, or
 its consumer goes away. Releasing a request the engine has not finished sends
@@ -26,6 +31,7 @@ from common.server.detokenizer import RequestDetokenizer
 from common.server.input_processor import InputProcessor
 from common.server.io_struct import AbortReq, BatchTokenOut, FinishReason, StatsReq, StatsResp, TokenOut
 from common.server.ipc import READY_SEQ, FrontendChannel, IpcSendTimeout
+from common.server.liveness import IDLE_SNAPSHOT, StepClock, StepSnapshot, hung_reason
 from common.server.metrics import FrontendMetrics
 from common.server.protocol import ApiError, GenerateRequestBody, bad_request
 from common.server.req_state import Chunk, ReqState, merge_chunks
@@ -35,6 +41,7 @@ from common.timeouts import wait_within
 logger = logging.getLogger(__name__)
 
 WATCHDOG_PERIOD_S = 0.25
+STATS_REFRESH_S = 1.0
 SEND_TIMEOUT_S = 5.0
 
 DeadReason = Callable[[], "str | None"]  # None while the engine process lives
@@ -48,17 +55,22 @@ class TokenizerManager:
         channel: FrontendChannel,
         metrics: FrontendMetrics,
         engine_dead_reason: DeadReason,
+        step_clock: StepClock | None = None,
     ) -> None:
         self.args = args
         self.processor = processor
         self.channel = channel
         self.metrics = metrics
         self._dead_reason_fn = engine_dead_reason
+        self.step_clock = step_clock
         self.engine_dead: str | None = None
+        self.engine_hung: str | None = None  # set once by the watchdog; the instance then ends
+        self.fatal = asyncio.Event()  # the instance must end (engine_hung says why)
         self.engine_problem: str | None = None  # the engine answers but cannot serve (StatsResp.unhealthy)
         self._states: dict[str, ReqState] = {}
         self._stats_waiters: dict[int, asyncio.Future[dict[str, float]]] = {}
         self._seq = itertools.count(1)
+        self._refresh_seq: int | None = None  # the background stats probe not yet answered
         self._tasks: list[asyncio.Task[None]] = []
 
     # Lifecycle
@@ -67,6 +79,7 @@ class TokenizerManager:
         self._tasks = [
             asyncio.create_task(self._recv_loop(), name="engine-recv"),
             asyncio.create_task(self._watchdog_loop(), name="engine-watchdog"),
+            asyncio.create_task(self._refresh_loop(), name="engine-stats-refresh"),
         ]
 
     async def close(self) -> None:
@@ -190,6 +203,25 @@ class TokenizerManager:
     def _check_engine(self) -> None:
         if self.engine_dead is not None:
             raise ApiError(503, f"the engine is not running: {self.engine_dead}")
+        if self.engine_hung is not None:
+            raise ApiError(503, f"the instance is shutting down: {self.engine_hung}")
+
+    def step_snapshot(self) -> StepSnapshot:
+        return self.step_clock.read() if self.step_clock is not None else IDLE_SNAPSHOT
+
+    def health(self) -> StepSnapshot:
+        """Liveness from the step clock and the last known engine answer; never waits on the engine.
+
+        Raises ApiError(503) when the engine is dead, hung, or reported a problem
+        (StatsResp.unhealthy, e.g. its KV transfer is down); else returns the clock."""
+        self._check_engine()
+        snap = self.step_snapshot()
+        reason = hung_reason(snap, time.monotonic(), self.args.watchdog_timeout)
+        if reason is not None:  # the watchdog acts within WATCHDOG_PERIOD_S; say so meanwhile
+            raise ApiError(503, reason)
+        if self.engine_problem is not None:
+            raise ApiError(503, self.engine_problem)
+        return snap
 
     async def get_stats(self, timeout_s: float = 2.0) -> dict[str, float]:
         """Ask the engine for its stats; ApiError(503) if it does not answer within timeout_s."""
@@ -220,9 +252,21 @@ class TokenizerManager:
                         state.queue.put_nowait(out)
             elif isinstance(reply, StatsResp) and reply.seq != READY_SEQ:
                 self.engine_problem = reply.unhealthy
+                self.metrics.engine.up = True
+                self.metrics.engine.stats = reply.stats
+                if reply.seq == self._refresh_seq:
+                    self._refresh_seq = None
                 fut = self._stats_waiters.get(reply.seq)
                 if fut is not None and not fut.done():
                     fut.set_result(reply.stats)
+
+    async def _refresh_loop(self) -> None:
+        while self.engine_dead is None and self.engine_hung is None:
+            if self._refresh_seq is None:  # one probe at a time: a long step answers it late
+                seq = next(self._seq)
+                if self.channel.send_nowait(StatsReq(seq=seq)):
+                    self._refresh_seq = seq
+            await asyncio.sleep(STATS_REFRESH_S)
 
     async def _watchdog_loop(self) -> None:
         while self.engine_dead is None:
@@ -230,15 +274,31 @@ class TokenizerManager:
             if reason is not None:
                 self._on_engine_dead(reason)
                 return
+            hung = hung_reason(self.step_snapshot(), time.monotonic(), self.args.watchdog_timeout)
+            if hung is not None:
+                self._on_engine_hung(hung)
+                return
             await asyncio.sleep(WATCHDOG_PERIOD_S)
+
+    def _on_engine_hung(self, reason: str) -> None:
+        logger.error(
+            "watchdog: %s; failing %d in-flight request(s) and ending this instance", reason, len(self._states)
+        )
+        self.engine_hung = reason
+        self.metrics.engine.up = False
+        self._fail_all(ApiError(503, reason, "engine_hung"), reason)
+        self.fatal.set()
 
     def _on_engine_dead(self, reason: str) -> None:
         logger.error("engine process died (%s); failing %d in-flight request(s)", reason, len(self._states))
         self.engine_dead = reason
         self.metrics.engine.up = False
+        self._fail_all(ApiError(500, f"the engine process died: {reason}", "engine_died"), reason)
+
+    def _fail_all(self, error: ApiError, reason: str) -> None:
         for state in list(self._states.values()):
             state.engine_done = True
-            state.queue.put_nowait(ApiError(500, f"the engine process died: {reason}", "engine_died"))
+            state.queue.put_nowait(ApiError(error.status, error.message, error.err_type))
         for fut in self._stats_waiters.values():
             if not fut.done():
                 fut.set_exception(ApiError(503, f"the engine is not running: {reason}"))

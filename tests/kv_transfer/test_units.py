@@ -8,7 +8,6 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from common.server.protocol import MAX_TOP_LOGPROBS
 from kv_transfer import (
     AuxBuffer,
     AuxRow,
@@ -21,6 +20,7 @@ from kv_transfer import (
     min_poll,
 )
 from kv_transfer.aux_buffer import ROW_BYTES
+from kv_transfer.aux_format import MAX_TOP_LOGPROBS
 from kv_transfer.base import StateCell
 from kv_transfer.descriptors import build_descs, coalesce_pages, coalesce_runs
 from kv_transfer.faults import FaultInjector, InjectedFault

@@ -20,6 +20,18 @@ def _ids(rng: random.Random, n: int, vocab: int) -> list[int]:
     return [rng.randrange(3, vocab) for _ in range(n)]
 
 
+def parity_steps(rng: random.Random, vocab: int) -> list[tuple[ForwardMode, list[tuple[str, list[int]]]]]:
+    """The batches of the parity schedule: (mode, [(request, new tokens)]) per step."""
+    return [
+        (ForwardMode.EXTEND, [("a", _ids(rng, 9, vocab)), ("b", _ids(rng, 7, vocab)), ("c", _ids(rng, 21, vocab))]),
+        # a continues on its cached prefix, d is a one-token prompt, b grows by a chunk
+        (ForwardMode.EXTEND, [("a", _ids(rng, 12, vocab)), ("d", _ids(rng, 1, vocab)), ("b", _ids(rng, 3, vocab))]),
+        (ForwardMode.DECODE, [(n, _ids(rng, 1, vocab)) for n in ("a", "b", "c", "d")]),
+        (ForwardMode.DECODE, [(n, _ids(rng, 1, vocab)) for n in ("d", "c", "a", "b")]),
+        (ForwardMode.MIXED, [("c", _ids(rng, 5, vocab)), ("a", _ids(rng, 1, vocab)), ("d", _ids(rng, 1, vocab))]),
+    ]
+
+
 def run_schedule(path: str, page_size: int, seed: int = 0) -> None:
     """Four requests through EXTEND, EXTEND-on-prefix, DECODE and MIXED steps; every token's
     logits are checked against transformers run on the request's whole sequence."""
@@ -37,12 +49,8 @@ def run_schedule(path: str, page_size: int, seed: int = 0) -> None:
                 seen.append((name, before[name] + j, logits[i]))
                 i += 1
 
-    step(ForwardMode.EXTEND, [("a", _ids(rng, 9, vocab)), ("b", _ids(rng, 7, vocab)), ("c", _ids(rng, 21, vocab))])
-    # a continues on its cached prefix, d is a one-token prompt, b grows by a chunk
-    step(ForwardMode.EXTEND, [("a", _ids(rng, 12, vocab)), ("d", _ids(rng, 1, vocab)), ("b", _ids(rng, 3, vocab))])
-    step(ForwardMode.DECODE, [(n, _ids(rng, 1, vocab)) for n in ("a", "b", "c", "d")])
-    step(ForwardMode.DECODE, [(n, _ids(rng, 1, vocab)) for n in ("d", "c", "a", "b")])
-    step(ForwardMode.MIXED, [("c", _ids(rng, 5, vocab)), ("a", _ids(rng, 1, vocab)), ("d", _ids(rng, 1, vocab))])
+    for mode, steps in parity_steps(rng, vocab):
+        step(mode, steps)
 
     ref = load_hf(path)
     want = {name: hf_logits(ref, h.seq(name)) for name in h.seqs}

@@ -18,6 +18,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 
 from common.engine import Engine
@@ -39,11 +40,13 @@ def workload(n: int, seed: int) -> list[list[int]]:
     return prompts
 
 
-@pytest.fixture(scope="module", params=[16, 1], ids=["page16-overlap", "page1"])
+@pytest.fixture(scope="module", params=[(16, True), (16, False), (1, True), (1, False)],
+                ids=["page16-overlap", "page16-normal", "page1-overlap", "page1-normal"])
 def pair(request: pytest.FixtureRequest, tiny_llama_path: str) -> Iterator[PDPair]:
-    ps = str(request.param)
-    # page 16 runs both roles with the overlap loop (CPU defaults to the normal loop)
-    loop = ["--enable-cpu-overlap-schedule"] if ps == "16" else []
+    page_size, overlap = request.param
+    ps = str(page_size)
+    # both loops on both page sizes (CPU defaults to the normal loop; the overlap loop is forced)
+    loop = ["--enable-cpu-overlap-schedule"] if overlap else []
     p = start_pair(Path(tiny_llama_path),
                    ["--page-size", ps, "--chunked-prefill-size", "32", "--max-total-tokens", "8192", *loop],
                    ["--page-size", ps, "--max-total-tokens", "8192", *loop])
@@ -96,6 +99,10 @@ def test_pd_finishes_on_first_token_and_reports_metrics(pair: PDPair, tiny_llama
         assert pair.decode.stat(name) is not None, name
     assert (pair.prefill.stat("kv_transfer_bytes") or 0) > 0
     assert (pair.decode.stat("num_prebuilt_total") or 0) > 0
+    decode_info = httpx.get(pair.decode.url + "/server_info", timeout=10.0).json()
+    prefill_info = httpx.get(pair.prefill.url + "/server_info", timeout=10.0).json()
+    assert decode_info["radix_cache"] is False and decode_info["pools"]["defer_frees"] == 1.0
+    assert prefill_info["radix_cache"] is True and prefill_info["pools"]["defer_frees"] == 0.0
 
 
 def test_seeded_sampling_with_penalties_equals_colocated(pair: PDPair, colocated: Engine) -> None:

@@ -1,4 +1,4 @@
-"""Policies, the prefix tree, the circuit breaker, health thresholds and config parsing (in-process)."""
+"""Policies, the prefix tree, the circuit breaker and config parsing (in-process; health: test_router_health_state.py)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from router.breaker import BreakerState, CircuitBreaker
 from router.config import RouterConfig
 from router.policies import CacheAwarePolicy, PowerOfTwoPolicy, RandomPolicy, RoundRobinPolicy, make_policy
 from router.prefix_tree import PrefixTree
-from router.worker import HealthState, Worker
+from router.worker import Worker
 
 
 def workers(n: int) -> list[Worker]:
@@ -165,15 +165,6 @@ def test_breaker_transitions() -> None:
     b.on_dispatch()
     b.record_success()
     assert b.state is BreakerState.CLOSED
-
-
-def test_health_thresholds() -> None:
-    h = HealthState()
-    assert h.record(True, None, 2, 2) and h.healthy  # first success: up at once
-    assert not h.record(False, "x", 2, 2) and h.healthy
-    assert h.record(False, "x", 2, 2) and not h.healthy
-    assert not h.record(True, None, 2, 2) and not h.healthy
-    assert h.record(True, None, 2, 2) and h.healthy
 
 
 def test_config_from_args() -> None:

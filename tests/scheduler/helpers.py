@@ -11,9 +11,9 @@ from common.scheduler.config import SchedulerConfig
 from common.scheduler.executor import SyncExecutor, ThreadExecutor
 from common.scheduler.fake_worker import FakeModelWorker
 from common.scheduler.kv_manager import ReqKVManager
+from common.scheduler.messages import TokenOut
 from common.scheduler.req import Req
 from common.scheduler.scheduler import Scheduler
-from common.server.io_struct import TokenOut
 
 VOCAB = 997
 EOS = frozenset({3})

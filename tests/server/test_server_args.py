@@ -77,7 +77,7 @@ def test_resolved_fills_tokenizer_and_name_from_a_checkpoint_dir(tmp_path: Path)
         ({"port": 70000}, "TCP port"),
         ({"request_timeout": 0.0}, "--request-timeout must be > 0"),
         ({"mem_fraction_static": 1.5}, "--mem-fraction-static"),
-        ({"disaggregation_heartbeat_timeout": 1.0}, "heartbeat-timeout must be >="),
+        ({"disaggregation_heartbeat_timeout": 1.0}, "heartbeat-timeout must be >"),
         ({"num_reserved_decode_tokens": -1}, "--num-reserved-decode-tokens"),
     ],
 )

@@ -1,7 +1,7 @@
 """Attention backends behind one interface, built by name.
 
 Backends that need a GPU library import it only when built, so importing this
-package works on any machine.
+package works on any machine. "auto" is flashinfer on CUDA (when installed), torch elsewhere.
 """
 
 from __future__ import annotations
@@ -10,13 +10,15 @@ import torch
 
 from common.cache.kv_pool import KVPool
 from common.model.attention.base import AttentionBackend, AttentionShape
+from common.model.attention.flashinfer_support import resolve_attention_backend
 
-ATTENTION_BACKENDS = ("torch", "flashinfer")
+ATTENTION_BACKENDS = ("auto", "torch", "flashinfer")
 
 
 def create_attention_backend(
     name: str, *, shape: AttentionShape, kv_pool: KVPool, req_to_token: torch.Tensor
 ) -> AttentionBackend:
+    name = resolve_attention_backend(name, shape, kv_pool.device, kv_pool.dtype)
     if name == "torch":
         from common.model.attention.torch_backend import TorchAttentionBackend
 

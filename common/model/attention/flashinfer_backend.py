@@ -1,4 +1,4 @@
-"""FlashInfer paged attention (CUDA only; flashinfer is imported when the backend is built).
+"""FlashInfer paged attention (CUDA; flashinfer is imported when the backend is built).
 
 The KV pool's per-layer buffers [num_pages * page_size, Hkv, D] are viewed as
 FlashInfer's NHD paged cache [num_pages, page_size, Hkv, D]. A request's page
@@ -6,10 +6,17 @@ table is read from req_to_token at every page_size-th token:
 
     req_to_token[row]:  s0 s0+1 .. | s1 s1+1 .. | s2 ..      (slots, page-aligned runs)
     pages:              s0 // P      s1 // P      s2 // P
-    last_page_len = seq_len - (num_pages - 1) * P
+    last_page_len = seq_len - (num_pages - 1) * P            (1 .. P)
 
-DECODE batches use the decode wrapper; EXTEND/MIXED use the paged prefill wrapper,
+DECODE batches use the decode wrapper (tensor cores for GQA groups >= 4: the CUDA-core
+kernel only exists for a few group sizes); EXTEND/MIXED use the paged prefill wrapper,
 whose causal mask is aligned to the end of each sequence (full over the prefix).
+
+plan() gets the indptr / last-page arrays as host tensors (flashinfer copies device ones
+back to the host, a sync per step) and the page indices as a device tensor gathered
+without a boolean mask (which would sync too; launch/gpu_check.sh counts syncs). Both
+wrappers are planned and run once at construction on the reserved page 0, so the JIT
+compile of every kernel happens at startup, not on the first request.
 """
 
 from __future__ import annotations
@@ -20,6 +27,11 @@ import torch
 
 from common.cache.kv_pool import KVPool
 from common.model.attention.base import AttentionBackend, AttentionShape
+from common.model.attention.flashinfer_support import (
+    decode_uses_tensor_cores,
+    flashinfer_shape_problem,
+    load_flashinfer,
+)
 from common.model.forward_batch import ForwardBatch, ForwardMode
 
 WORKSPACE_BYTES = 128 * 1024 * 1024
@@ -28,14 +40,15 @@ WORKSPACE_BYTES = 128 * 1024 * 1024
 class FlashInferAttentionBackend(AttentionBackend):
     def __init__(self, *, shape: AttentionShape, kv_pool: KVPool, req_to_token: torch.Tensor) -> None:
         super().__init__(shape=shape, kv_pool=kv_pool, req_to_token=req_to_token)
-        if kv_pool.device.type != "cuda":
-            raise RuntimeError(f"the flashinfer attention backend needs a CUDA KV pool, got {kv_pool.device}")
-        try:
-            import flashinfer
-        except ImportError as e:
-            raise RuntimeError("attention backend 'flashinfer' needs the flashinfer package") from e
-        workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=kv_pool.device)
-        self._decode: Any = flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD")
+        flashinfer = load_flashinfer(kv_pool.device)
+        problem = flashinfer_shape_problem(shape, kv_pool.dtype)
+        if problem is not None:
+            raise ValueError(problem)
+        workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=kv_pool.device)
+        self.decode_tensor_cores = decode_uses_tensor_cores(kv_pool.dtype, shape.group_size)
+        self._decode: Any = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+            workspace, "NHD", use_tensor_cores=self.decode_tensor_cores
+        )
         self._prefill: Any = flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD")
         self._use_decode = False
         page, hkv, d = kv_pool.page_size, kv_pool.num_kv_heads, kv_pool.head_dim
@@ -43,37 +56,54 @@ class FlashInferAttentionBackend(AttentionBackend):
             (k.view(-1, page, hkv, d), v.view(-1, page, hkv, d))
             for k, v in zip(kv_pool.k_buffers, kv_pool.v_buffers, strict=True)
         ]
+        self._warm_up()
+
+    def _warm_up(self) -> None:
+        """One decode and one prefill call over the reserved page 0 (never handed to a request)."""
+        device = self.kv_pool.device
+        one_page = torch.zeros(1, dtype=torch.int32, device=device)
+        indptr = torch.tensor([0, 1], dtype=torch.int32)
+        last = torch.ones(1, dtype=torch.int32)
+        q = torch.zeros(1, self.shape.num_heads, self.shape.head_dim, dtype=self.kv_pool.dtype, device=device)
+        self._plan(ForwardMode.DECODE, indptr, one_page, last, qo_indptr=indptr)
+        self._decode.run(q, self._caches[0])
+        self._plan(ForwardMode.EXTEND, indptr, one_page, last, qo_indptr=indptr)
+        self._prefill.run(q, self._caches[0])
 
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
         device = self.kv_pool.device
         page = self.kv_pool.page_size
         num_pages = [(s + page - 1) // page for s in batch.seq_lens_cpu]
-        max_pages = max(num_pages, default=0)
-        table = self.req_to_token[batch.req_pool_indices, : max_pages * page : page] // page
-        valid = torch.arange(max_pages, device=device)[None, :] < torch.tensor(num_pages, device=device)[:, None]
-        indices = table[valid].to(torch.int32)
-        indptr = _cumsum0(num_pages, device)
+        total = sum(num_pages)
+        indptr = _cumsum0(num_pages)
         last = torch.tensor(
-            [s - (n - 1) * page for s, n in zip(batch.seq_lens_cpu, num_pages, strict=True)],
-            dtype=torch.int32,
-            device=device,
+            [s - (n - 1) * page for s, n in zip(batch.seq_lens_cpu, num_pages, strict=True)], dtype=torch.int32
         )
+        # Page k of request r is req_to_token[row_r, k * page] // page, gathered in request order
+        # (host -> device copies are non_blocking and output_size is given: nothing here syncs).
+        pages_per_req = torch.tensor(num_pages).to(device, non_blocking=True)
+        rows = batch.req_pool_indices.repeat_interleave(pages_per_req, output_size=total)
+        first = indptr[:-1].to(device, non_blocking=True).repeat_interleave(pages_per_req, output_size=total)
+        cols = (torch.arange(total, device=device) - first) * page
+        indices = (self.req_to_token[rows, cols] // page).to(torch.int32)
+        self._plan(batch.mode, indptr, indices, last, qo_indptr=_cumsum0(batch.extend_lens_cpu))
+
+    def _plan(
+        self, mode: ForwardMode, indptr: torch.Tensor, indices: torch.Tensor, last: torch.Tensor, *, qo_indptr: torch.Tensor
+    ) -> None:
         common = dict(
             num_qo_heads=self.shape.num_heads,
             num_kv_heads=self.shape.num_kv_heads,
-            page_size=page,
+            page_size=self.kv_pool.page_size,
             sm_scale=self.shape.scaling,
             q_data_type=self.kv_pool.dtype,
             kv_data_type=self.kv_pool.dtype,
         )
-        self._use_decode = batch.mode == ForwardMode.DECODE
+        self._use_decode = mode == ForwardMode.DECODE
         if self._use_decode:
             self._decode.plan(indptr, indices, last, head_dim=self.shape.head_dim, **common)
         else:
-            qo_indptr = _cumsum0(batch.extend_lens_cpu, device)
-            self._prefill.plan(
-                qo_indptr, indptr, indices, last, head_dim_qk=self.shape.head_dim, causal=True, **common
-            )
+            self._prefill.plan(qo_indptr, indptr, indices, last, head_dim_qk=self.shape.head_dim, causal=True, **common)
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, batch: ForwardBatch
@@ -83,8 +113,9 @@ class FlashInferAttentionBackend(AttentionBackend):
         return o.to(q.dtype).reshape(q.shape[0], -1)
 
 
-def _cumsum0(lengths: list[int], device: torch.device) -> torch.Tensor:
+def _cumsum0(lengths: list[int]) -> torch.Tensor:
+    """[0, l0, l0 + l1, ...] as an int32 host tensor."""
     out = [0]
     for n in lengths:
         out.append(out[-1] + n)
-    return torch.tensor(out, dtype=torch.int32, device=device)
+    return torch.tensor(out, dtype=torch.int32)

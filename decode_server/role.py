@@ -1,0 +1,29 @@
+"""The decode role: DecodeScheduler + a KVManager that receives into reserved pages.
+
+Decode keeps no prefix cache (prompts arrive whole from prefill) and frees a finished
+request's pages only after the step in flight completed: that step may still write the
+request's next KV there, and a NIXL write for a request admitted meanwhile is not ordered
+behind it (common/scheduler/kv_manager.py).
+"""
+
+from __future__ import annotations
+
+from common.disaggregation import TransferFactory, aux_slots, make_kv_manager
+from common.scheduler.role import RoleEngine, RoleSpec, SchedulerParts, TransferLink
+from common.server.server_args import ServerArgs
+from decode_server.scheduler import DecodeScheduler
+from kv_transfer import AuxBuffer, AuxSlotAllocator, KVManager
+
+
+def decode_role(args: ServerArgs, transfer_factory: TransferFactory = KVManager) -> RoleSpec:
+    def build(parts: SchedulerParts) -> RoleEngine:
+        num_slots = aux_slots(args)
+        manager = make_kv_manager("decode", args, parts.kv_pool, AuxBuffer(num_slots), transfer_factory)
+        scheduler = DecodeScheduler(
+            parts.cfg, parts.executor, parts.kv, future_capacity=parts.future_capacity, output=parts.output,
+            transfer=manager, aux_slots=AuxSlotAllocator(num_slots), kv_pool=parts.kv_pool,
+            num_reserved_decode_tokens=args.num_reserved_decode_tokens,
+        )
+        return RoleEngine(scheduler, TransferLink(manager, scheduler.poll_transfers))
+
+    return RoleSpec("decode", radix_cache=False, defer_frees=True, needs_bootstrap=True, build=build)

@@ -1,0 +1,285 @@
+"""PrefillScheduler and DecodeScheduler in-process: the fake model worker and a fake transfer
+manager (tests/pd/fake_transfer.py), every queue reached on purpose. The real-process
+tests (test_pd_e2e.py, tests/kv_transfer) cover the same roles over real NIXL.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import pytest
+
+from common.cache import PageAllocator, RadixCache, ReqToTokenPool
+from common.sampling_params import SamplingParams
+from common.scheduler.config import SchedulerConfig
+from common.scheduler.executor import SyncExecutor
+from common.scheduler.fake_worker import FakeModelWorker, reference_generate
+from common.scheduler.kv_manager import ReqKVManager
+from common.scheduler.messages import BootstrapInfo, TokenOut
+from common.scheduler.req import Req
+from decode_server.scheduler import DecodeScheduler
+from kv_transfer import AuxSlotAllocator, FailureCause, KVPoll
+from prefill_server.scheduler import PrefillScheduler
+from tests.pd.fake_transfer import FakeKVManager, FakeWorkerKVPool
+
+VOCAB = 997
+PS = 4
+
+
+@dataclass
+class Role:
+    scheduler: PrefillScheduler | DecodeScheduler
+    worker: FakeModelWorker
+    transfer: FakeKVManager
+    outputs: dict[str, list[TokenOut]] = field(default_factory=dict)
+
+    def collect(self, items: list[TokenOut]) -> None:
+        for item in items:
+            self.outputs.setdefault(item.rid, []).append(item)
+
+    def iterate(self, n: int = 1) -> None:
+        """n iterations of the engine loop: poll transfers, step, flush, idle check."""
+        for _ in range(n):
+            self.scheduler.poll_transfers()
+            if self.scheduler.has_runnable_work:
+                self.scheduler.step()
+            self.scheduler.flush()
+            if not self.scheduler.has_work:
+                self.scheduler.on_idle()
+
+    def final(self, rid: str) -> TokenOut:
+        out = self.outputs[rid][-1]
+        assert out.finish_reason is not None, f"{rid} has not finished"
+        return out
+
+    def tokens(self, rid: str) -> list[int]:
+        return [t for o in self.outputs.get(rid, []) for t in o.new_token_ids]
+
+    @property
+    def pages_in_use(self) -> int:
+        return self.scheduler.kv.in_use_pages() + len(self.scheduler.kv.deferred_pages)
+
+
+def _parts(num_pages: int, overlap: bool, decode: bool, **cfg: object):  # type: ignore[no-untyped-def]
+    config = SchedulerConfig(page_size=PS, enable_overlap=overlap, disable_radix_cache=decode, **cfg)  # type: ignore[arg-type]
+    allocator = PageAllocator(num_pages, PS)
+    kv = ReqKVManager(allocator, RadixCache(allocator, PS, disable=decode), ReqToTokenPool(16, 512), defer_frees=decode)
+    worker = FakeModelWorker(vocab_size=VOCAB, num_slots=num_pages * PS, max_reqs=16, future_capacity=128)
+    return config, kv, worker
+
+
+def make_prefill(num_pages: int = 128, **cfg: object) -> Role:
+    config, kv, worker = _parts(num_pages, overlap=False, decode=False, **cfg)
+    role = Role(None, worker, FakeKVManager(page_size=PS))  # type: ignore[arg-type]
+    role.scheduler = PrefillScheduler(config, SyncExecutor(worker), kv, future_capacity=128, output=role.collect,
+                                      transfer=role.transfer)  # type: ignore[arg-type]
+    return role
+
+
+def make_decode(num_pages: int = 128, overlap: bool = True, reserved: int = 8, **cfg: object) -> Role:
+    config, kv, worker = _parts(num_pages, overlap=overlap, decode=True, **cfg)
+    role = Role(None, worker, FakeKVManager(worker=worker, page_size=PS))  # type: ignore[arg-type]
+    role.scheduler = DecodeScheduler(
+        config, SyncExecutor(worker), kv, future_capacity=128, output=role.collect, transfer=role.transfer,  # type: ignore[arg-type]
+        aux_slots=AuxSlotAllocator(32), kv_pool=FakeWorkerKVPool(worker), num_reserved_decode_tokens=reserved,  # type: ignore[arg-type]
+    )
+    return role
+
+
+def request(rid: str, prompt: list[int], max_new_tokens: int, room: int = 7) -> Req:
+    return Req(rid=rid, origin_input_ids=list(prompt), stream=True,
+               sampling_params=SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0, ignore_eos=True),
+               bootstrap=BootstrapInfo("127.0.0.1", 8998, room))
+
+
+def prompt_of(n: int, seed: int = 1) -> list[int]:
+    return [(seed * 31 + 17 * i) % (VOCAB - 4) + 4 for i in range(n)]
+
+
+def pages(n_tokens: int) -> int:
+    return -(-n_tokens // PS)
+
+
+# ---- prefill ------------------------------------------------------------------------------------
+
+
+def test_prefill_waits_for_decode_then_sends_every_page_in_order_and_caches_them() -> None:
+    p = make_prefill(chunked_prefill_size=8)
+    prompt = prompt_of(30)
+    p.scheduler.add_request(request("a", prompt, 8))
+    sender = p.transfer.senders["a"]
+    p.iterate(3)
+    assert p.scheduler.bootstrap_queue and not p.scheduler.waiting and not sender.sends  # bootstrapping
+    sender.ready(pages(30))
+    p.iterate()
+    p.iterate(10)
+    req_pages = sender.pages_sent
+    assert len(req_pages) == pages(30) and len(set(req_pages)) == len(req_pages)
+    assert [s.is_last for s in sender.sends] == [False] * (len(sender.sends) - 1) + [True]
+    assert len(sender.sends) >= 4, "chunked prefill sends after each chunk"
+    last = sender.sends[-1]
+    assert last.aux is not None and last.aux.first_token == reference_generate(prompt, 1, VOCAB)[0]
+    assert p.scheduler.inflight and "a" not in p.outputs  # waits for decode's ack
+    sender.state = KVPoll.Success
+    p.iterate()
+    assert p.final("a").finish_reason.type == "length" and not p.scheduler.inflight
+    assert p.scheduler.kv.radix.cached_pages == 30 // PS  # whole prompt pages joined the cache
+    assert p.pages_in_use == 0
+    p.scheduler.kv.check_integrity()
+
+
+def test_prefill_sends_radix_hits_before_computing_the_rest() -> None:
+    p = make_prefill(chunked_prefill_size=8)
+    shared = prompt_of(24)
+    for rid, prompt in (("a", shared), ("b", shared + prompt_of(9, seed=5))):
+        p.scheduler.add_request(request(rid, prompt, 4, room=hash(rid) & 0xFFFF))
+        p.transfer.senders[rid].ready(pages(len(prompt)))
+        p.iterate(12)
+        p.transfer.senders[rid].state = KVPoll.Success
+        p.iterate()
+        assert p.final(rid).finish_reason.type == "length"
+    first_send_b = p.transfer.senders["b"].sends[0]
+    assert len(first_send_b.pages) == 24 // PS and not first_send_b.is_last  # the cached prefix, at once
+    assert p.final("b").cached_tokens == 24
+    p.scheduler.kv.check_integrity()
+
+
+@pytest.mark.parametrize("where", ["bootstrap", "waiting", "chunked", "inflight"])
+def test_prefill_failure_in_each_queue_reaches_the_client_and_frees_pages(where: str) -> None:
+    p = make_prefill(num_pages=64, chunked_prefill_size=8)
+    p.scheduler.add_request(request("a", prompt_of(20), 4))
+    sender = p.transfer.senders["a"]
+    if where != "bootstrap":
+        sender.ready(pages(20))
+        p.scheduler.poll_transfers()  # -> waiting
+        if where == "chunked":
+            p.scheduler.step()
+        elif where == "inflight":
+            p.iterate(4)
+        state = {"waiting": p.scheduler.waiting, "chunked": p.scheduler.chunked, "inflight": p.scheduler.inflight}
+        assert state[where], where
+    sender.fail(FailureCause.TRANSFER_TIMEOUT, "decode went quiet")
+    p.iterate(2)
+    final = p.final("a").finish_reason
+    assert final.type == "abort" and final.status_code == 504 and "decode went quiet" in (final.message or "")
+    assert final.err_type == "transfer_timeout"
+    assert p.scheduler.num_transfer_failures == 1
+    assert p.pages_in_use == 0 and p.scheduler.kv.radix.cached_pages == 0  # a failed prompt is not cached
+    assert not (p.scheduler.bootstrap_queue or p.scheduler.waiting or p.scheduler.inflight or p.scheduler.sends)
+    p.scheduler.kv.check_integrity()
+
+
+def test_prefill_refuses_a_decode_that_reserved_the_wrong_page_count() -> None:
+    p = make_prefill()
+    p.scheduler.add_request(request("a", prompt_of(20), 4))
+    p.transfer.senders["a"].ready(pages(20) - 1)
+    p.iterate()
+    assert "reserved 4 pages, prefill needs 5" in (p.transfer.senders["a"].aborted or "")
+    assert p.final("a").finish_reason.type == "abort"
+    p.scheduler.kv.check_integrity()
+
+
+def test_prefill_client_abort_aborts_the_sender() -> None:
+    p = make_prefill()
+    p.scheduler.add_request(request("a", prompt_of(20), 4))
+    p.iterate()
+    assert p.scheduler.abort("a", "client left")
+    assert p.transfer.senders["a"].aborted == "client left" and not p.scheduler.bootstrap_queue
+    p.scheduler.kv.check_integrity()
+
+
+# ---- decode -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_decode_prebuilt_request_decodes_exactly(overlap: bool) -> None:
+    d = make_decode(overlap=overlap)
+    prompts = {f"r{i}": prompt_of(5 + 7 * i, seed=i) for i in range(4)}
+    for rid, prompt in prompts.items():
+        d.scheduler.add_request(request(rid, prompt, 12, room=int(rid[1:])))
+    d.iterate()
+    assert len(d.scheduler.transferring) == 4  # admitted while still bootstrapping: pages handed over
+    for rid, prompt in prompts.items():
+        receiver = d.transfer.receivers[rid]
+        assert receiver.pages is not None and len(receiver.pages) == pages(len(prompt))
+        receiver.complete(prompt, reference_generate(prompt, 1, VOCAB)[0])
+    for _ in range(40):
+        d.iterate()
+    for rid, prompt in prompts.items():
+        assert d.tokens(rid) == reference_generate(prompt, 12, VOCAB), rid
+    assert d.scheduler.num_prebuilt == 4 and d.pages_in_use == 0
+    d.scheduler.kv.check_integrity()
+    d.scheduler.aux_slots.check_integrity()
+
+
+@pytest.mark.parametrize("cause,status", [(FailureCause.TRANSFER_TIMEOUT, 504), (FailureCause.PEER_LOST, 500)])
+def test_decode_failure_while_transferring_holds_pages_until_drained(cause: FailureCause, status: int) -> None:
+    d = make_decode()
+    d.scheduler.add_request(request("a", prompt_of(20), 8))
+    d.iterate()
+    receiver = d.transfer.receivers["a"]
+    assert receiver.pages is not None
+    receiver.fail(cause, "prefill is gone")
+    d.iterate(3)
+    final = d.final("a").finish_reason
+    assert final.type == "abort" and final.status_code == status and final.err_type == cause.value
+    assert d.scheduler.draining and d.pages_in_use == pages(20)  # late WRITEs may still land
+    receiver.drained = True
+    d.iterate()
+    assert not d.scheduler.draining and d.pages_in_use == 0 and not d.scheduler.transfers
+    d.scheduler.kv.check_integrity()
+    d.scheduler.aux_slots.check_integrity()
+
+
+def test_decode_failure_before_admission_allocates_nothing() -> None:
+    d = make_decode(num_pages=8)  # 7 usable pages: the first request's reservation fills them
+    d.scheduler.add_request(request("big", prompt_of(16), 16, room=1))
+    d.scheduler.add_request(request("late", prompt_of(16, seed=2), 8, room=2))
+    d.iterate()
+    assert [r.rid for r in d.scheduler.prealloc] == ["late"]  # waits for memory
+    d.transfer.receivers["late"].fail(FailureCause.HANDSHAKE, "prefill never answered")
+    d.iterate()
+    assert d.final("late").finish_reason.type == "abort" and not d.scheduler.prealloc
+    assert d.transfer.receivers["late"].pages is None
+    d.scheduler.abort("big")
+    d.transfer.receivers["big"].drained = True
+    d.iterate(2)
+    assert d.pages_in_use == 0
+    d.scheduler.kv.check_integrity()
+
+
+def test_decode_client_abort_while_transferring_aborts_the_receiver() -> None:
+    d = make_decode()
+    d.scheduler.add_request(request("a", prompt_of(20), 8))
+    d.iterate()
+    assert d.scheduler.abort("a", "client left")
+    receiver = d.transfer.receivers["a"]
+    assert receiver.aborted == "client left" and d.scheduler.draining
+    d.iterate()
+    assert d.final("a").finish_reason.status_code == 499 and d.pages_in_use == pages(20)
+    receiver.drained = True
+    d.iterate()
+    assert d.pages_in_use == 0
+    d.scheduler.kv.check_integrity()
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_decode_retracts_to_a_host_copy_and_restores_exactly(overlap: bool) -> None:
+    # 16 usable pages = 64 tokens; three requests of 12 prompt + 40 output tokens cannot all fit.
+    d = make_decode(num_pages=17, overlap=overlap, reserved=1)
+    prompts = {f"r{i}": prompt_of(12, seed=10 + i) for i in range(3)}
+    for i, (rid, prompt) in enumerate(prompts.items()):
+        d.scheduler.add_request(request(rid, prompt, 40, room=i))
+    for _ in range(400):
+        d.iterate()
+        for rid, prompt in prompts.items():
+            receiver = d.transfer.receivers[rid]
+            if receiver.pages is not None and receiver.state == KVPoll.Transferring:
+                receiver.complete(prompt, reference_generate(prompt, 1, VOCAB)[0])
+        if all(rid in d.outputs and d.outputs[rid][-1].finish_reason for rid in prompts):
+            break
+    assert d.scheduler.num_retractions > 0, "the pool was meant to be too small for all three"
+    for rid, prompt in prompts.items():
+        assert d.tokens(rid) == reference_generate(prompt, 40, VOCAB), rid
+    assert not d.scheduler.retracted and d.pages_in_use == 0 and not d.scheduler.transfers
+    d.scheduler.kv.check_integrity()
