@@ -1,4 +1,11 @@
-"""Shared fixtures: tiny random checkpoints (built once per session) and the real default model.
+"""Shared fixtures: tiny random checkpoints (built once per session) and the real default model;
+and the suite's tiers.
+
+Tiers (markers, assigned here from each test's file so no test is left without one):
+    unit         in-process, seconds: run first by launch/test.sh, which stops there on a failure
+    proc         starts real processes (instances, routers, NIXL peers, pd.sh)
+    reliability  kills, faults and load across a real cluster (tests/reliability)
+    slow         marked in the test itself (the real default model); any tier may add it
 
 Stable names, used across test packages:
     tiny_checkpoint(arch) -> str       factory, arch in llama | qwen2 | qwen3 | mistral
@@ -10,10 +17,43 @@ Stable names, used across test packages:
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 
 from common.model.testing import build_tiny_checkpoint
+
+TESTS = Path(__file__).resolve().parent
+# Files whose tests start processes; everything else outside tests/reliability is `unit`.
+PROC_PATHS = (
+    "bench/test_serving_bench.py",
+    "kv_transfer/test_bench_quick.py",
+    "kv_transfer/test_kill.py",
+    "kv_transfer/test_many_rooms.py",
+    "launch/",
+    "pd/test_pd_aborts.py",
+    "pd/test_pd_e2e.py",
+    "pd/test_pd_transfer_health.py",
+    "router/",
+    "server/test_http_frontend.py",
+    "server/test_instance_lifecycle.py",
+    "server/test_liveness.py",
+    "server/test_real_engine.py",
+)
+
+
+def tier_of(path: Path) -> str:
+    rel = path.resolve().relative_to(TESTS).as_posix()
+    if rel.startswith("reliability/"):
+        return "reliability"
+    if any(rel == p or (p.endswith("/") and rel.startswith(p)) for p in PROC_PATHS):
+        return "proc"
+    return "unit"
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        item.add_marker(getattr(pytest.mark, tier_of(Path(str(item.fspath)))))
 
 
 @pytest.fixture(scope="session")

@@ -156,6 +156,6 @@ def hung_reason(snap: StepSnapshot, now: float, watchdog_timeout: float) -> str 
     if age <= watchdog_timeout:
         return None
     return (
-        f"the engine is hung: step {snap.steps} has been running for {age:.1f}s, longer than "
+        f"the engine is hung: step {snap.steps} has been running for {age:.2f}s, longer than "
         f"--watchdog-timeout {watchdog_timeout:g}s"
     )

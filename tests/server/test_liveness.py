@@ -41,7 +41,7 @@ def test_step_clock_is_read_across_processes_without_a_message(tmp_path: Path) -
         now = snap.step_started_at + 7.0
         assert hung_reason(snap, now, watchdog_timeout=10.0) is None
         reason = hung_reason(snap, now, watchdog_timeout=5.0)
-        assert reason is not None and "step 1 has been running for 7.0s" in reason and "--watchdog-timeout 5s" in reason
+        assert reason is not None and "step 1 has been running for 7.00s" in reason and "--watchdog-timeout 5s" in reason
     finally:
         release.set()
         engine.join(30)
