@@ -1,9 +1,10 @@
 """The decode role: DecodeScheduler + a KVManager that receives into reserved pages.
 
-Decode keeps no prefix cache (prompts arrive whole from prefill) and frees a finished
-request's pages only after the step in flight completed: that step may still write the
-request's next KV there, and a NIXL write for a request admitted meanwhile is not ordered
-behind it (common/scheduler/kv_manager.py).
+Decode keeps no prefix cache unless --disaggregation-decode-enable-radix-cache (then a
+finished request's KV stays in decode's tree and a later prompt sharing it is sent only
+its missing pages), and frees a finished request's pages only after the step in flight
+completed: that step may still write the request's next KV there, and a NIXL write for a
+request admitted meanwhile is not ordered behind it (common/scheduler/kv_manager.py).
 """
 
 from __future__ import annotations
@@ -26,4 +27,5 @@ def decode_role(args: ServerArgs, transfer_factory: TransferFactory = KVManager)
         )
         return RoleEngine(scheduler, TransferLink(manager, scheduler.poll_transfers))
 
-    return RoleSpec("decode", radix_cache=False, defer_frees=True, needs_bootstrap=True, build=build)
+    return RoleSpec("decode", radix_cache=args.disaggregation_decode_enable_radix_cache, defer_frees=True,
+                    needs_bootstrap=True, build=build)

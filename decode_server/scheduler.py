@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
+from common.cache import TreeNode
 from common.cache.kv_pool import KVPool
 from common.disaggregation import transfer_failure, transfer_stats
 from common.scheduler.config import SchedulerConfig
@@ -61,6 +62,7 @@ class DecodeScheduler(Scheduler):
         self.retracted: list[Req] = []
         self.num_transfer_failures = 0
         self.num_prebuilt = 0
+        self.num_pages_from_cache = 0  # prompt pages found in the prefix cache instead of transferred
 
     @property
     def has_work(self) -> bool:
@@ -106,27 +108,39 @@ class DecodeScheduler(Scheduler):
                 still.extend(queue[i:])
                 break
             prompt = len(req.origin_input_ids)
-            need = -(-prompt // self.kv.page_size) * self.kv.page_size
+            held, node = self._cached_prefix(req)
+            need = -(-prompt // self.kv.page_size) * self.kv.page_size - len(held)
             if self.running or self.transferring:  # reservations protect requests already in
                 need += self.reservation(req)
             if need > budget or self.kv.req_pool.num_free == 0 or self.aux_slots.num_free == 0:
                 still.extend(queue[i:])
                 break
-            if not self.kv.attach_prefix(req, [], self.kv.radix.root):
+            if not self.kv.attach_prefix(req, held, node):
                 still.extend(queue[i:])
                 break
-            if self.kv.alloc_tokens(req, prompt) is None:
+            if self.kv.alloc_tokens(req, prompt - len(held)) is None:
                 self.kv.release(req, keep_in_cache=False)
                 still.extend(queue[i:])
                 break
             slot = self.aux_slots.alloc()
             assert slot is not None
             self.transfers[req].aux_slot = slot
-            pages = self.kv.allocator.pages_of(req.kv_slots)
-            receiver.init(pages, slot)
+            pages = self.kv.allocator.pages_of(req.kv_slots[len(held):])
+            skip = len(held) // self.kv.page_size
+            receiver.init(pages, slot, skip_pages=skip)
+            self.num_pages_from_cache += skip
             budget -= need
             self.transferring.append(req)
         self.prealloc = still
+
+    def _cached_prefix(self, req: Req) -> tuple[list[int], TreeNode]:
+        """The whole pages of req's prompt this decode's prefix cache holds (empty without the
+        cache); at least the prompt's last page is always transferred."""
+        if self.kv.radix.disable:
+            return [], self.kv.radix.root
+        ps = self.kv.page_size
+        limit = (len(req.origin_input_ids) - 1) // ps * ps
+        return self.kv.match_prefix(req.origin_input_ids[:limit])
 
     # ---- transfer completion ----------------------------------------------------------------
     def _poll_transferring(self) -> None:
@@ -248,7 +262,9 @@ class DecodeScheduler(Scheduler):
             return PageFate.KEEP
         self._free_aux_slot(req)
         self.transfers.pop(req, None)
-        return PageFate.FREE
+        # Only KV that fully arrived (or was computed here) may be reused by later requests.
+        arrived = receiver is not None and receiver.poll() == KVPoll.Success
+        return PageFate.CACHE if arrived and not self.kv.radix.disable else PageFate.FREE
 
     def stats(self) -> dict[str, float]:
         s = super().stats()
@@ -260,6 +276,7 @@ class DecodeScheduler(Scheduler):
                 "num_retracted_reqs": float(len(self.retracted)),
                 "num_transfer_failures_total": float(self.num_transfer_failures),
                 "num_prebuilt_total": float(self.num_prebuilt),
+                "kv_pages_from_cache_total": float(self.num_pages_from_cache),
             }
         )
         s.update(transfer_stats(self.transfer))

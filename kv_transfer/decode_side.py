@@ -142,7 +142,8 @@ class DecodeSide(Side):
 
     def _send_request(self, peer: _PrefillPeer, rec: _Recv, now: float) -> None:
         assert rec.init is not None
-        self._send(peer, TransferRequest(rec.receiver.room, rec.init.dst_pages.tolist(), rec.init.aux_slot))
+        init = rec.init
+        self._send(peer, TransferRequest(rec.receiver.room, init.dst_pages.tolist(), init.aux_slot, init.skip_pages))
         rec.sent_at = now
         rec.receiver.request_sent = True
 

@@ -40,6 +40,7 @@ class InitCmd:
     receiver: KVReceiver
     dst_pages: np.ndarray
     aux_slot: int
+    skip_pages: int = 0
 
 
 Command = SendCmd | AbortCmd | InitCmd | object
@@ -88,6 +89,7 @@ class KVSender(_Handle):
     def __init__(self, rid: str, room: int, submit: Submit, fail: FailHook) -> None:
         super().__init__(rid, room, submit, fail)
         self.num_dst_pages: int | None = None  # set by the manager thread with WaitingForInput
+        self.skip_pages = 0  # likewise: leading prompt pages decode holds already; never sent
         self._pages_sent = 0
         self._last_sent = False
 
@@ -138,9 +140,10 @@ class KVReceiver(_Handle):
         self.drain_deadline: float | None = None  # set by the manager thread when it fails a sent request
         self.request_sent = False  # set by the manager thread
 
-    def init(self, dst_page_ids: Sequence[int], aux_slot: int) -> None:
-        """Hand over the pages (whole prompt, request order) and the aux slot; may be called
-        while still Bootstrapping (the request goes out once the peer is registered)."""
+    def init(self, dst_page_ids: Sequence[int], aux_slot: int, skip_pages: int = 0) -> None:
+        """Hand over the pages (the prompt's from page `skip_pages` on, request order: decode
+        holds the first `skip_pages` already) and the aux slot; may be called while still
+        Bootstrapping (the request goes out once the peer is registered)."""
         if self.aux_slot is not None:
             raise KVTransferError(f"init() called twice ({self!r})")
         pages = np.asarray(dst_page_ids, dtype=np.int64)
@@ -152,13 +155,15 @@ class KVReceiver(_Handle):
             raise KVTransferError("init() got duplicate page ids")
         if not 0 <= aux_slot < self._aux.num_slots:
             raise KVTransferError(f"aux slot {aux_slot} out of range")
+        if skip_pages < 0:
+            raise KVTransferError(f"skip_pages must be >= 0, got {skip_pages}")
         self.aux_slot = aux_slot
         if self.poll() == KVPoll.Failed:
             self.drained = True
             return
         self._aux.clear_row(aux_slot)
         self.cell.advance(KVPoll.Transferring)
-        self._submit(InitCmd(self, pages, aux_slot))
+        self._submit(InitCmd(self, pages, aux_slot, skip_pages))
 
     def aux_row(self) -> AuxRow | None:
         """The aux row prefill wrote (valid after Success)."""

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import msgspec
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: TransferRequest.skip_pages (decode's prefix cache)
 
 
 class WireLayout(msgspec.Struct, frozen=True, array_like=True):
@@ -72,8 +72,9 @@ class InfoQuery(msgspec.Struct, frozen=True, array_like=True, tag="info"):
 
 class TransferRequest(msgspec.Struct, frozen=True, array_like=True, tag="xfer"):
     room: int
-    dst_pages: list[int]
+    dst_pages: list[int]  # where the prompt's pages from skip_pages on land, in order
     aux_slot: int
+    skip_pages: int = 0  # leading prompt pages decode already holds (its prefix cache): not sent
 
 
 class Abort(msgspec.Struct, frozen=True, array_like=True, tag="abort"):

@@ -183,6 +183,8 @@ class PrefillSide(Side):
             bad = "dst page ids out of the decode pool's range"
         elif not 0 <= msg.aux_slot < peer.reg.aux_slots:
             bad = f"dst aux slot {msg.aux_slot} out of range"
+        elif msg.skip_pages < 0:
+            bad = f"skip_pages {msg.skip_pages} < 0"
         if bad is not None:
             self.reply(identity, Status(msg.room, False, bad, FailureCause.BAD_REQUEST.value))
             return
@@ -220,6 +222,7 @@ class PrefillSide(Side):
         room.dst_pages = np.asarray(req.dst_pages, dtype=np.int64)
         room.dst_aux = req.aux_slot
         room.sender.num_dst_pages = len(req.dst_pages)
+        room.sender.skip_pages = req.skip_pages
         room.sender.cell.advance(KVPoll.WaitingForInput)
 
     # ---- the WRITE pipeline -------------------------------------------------------------

@@ -52,6 +52,7 @@ class PrefillScheduler(Scheduler):
         self.bootstrap_queue: list[Req] = []
         self.inflight: list[Req] = []
         self.num_transfer_failures = 0
+        self.num_pages_skipped = 0  # prompt pages not sent: the decode held them in its prefix cache
         # Overlap of KV transfer with compute: for each successful request, the time from its
         # first send to Success (total) and from its last chunk's compute to Success (exposed).
         self.transfer_total_seconds = 0.0
@@ -77,10 +78,13 @@ class PrefillScheduler(Scheduler):
                 self._fail(req, sender)
             elif state >= KVPoll.WaitingForInput:
                 expected = self._num_pages(len(req.origin_input_ids))
-                if sender.num_dst_pages != expected:
-                    sender.abort(f"decode reserved {sender.num_dst_pages} pages, prefill needs {expected}")
+                reserved = (sender.num_dst_pages or 0) + sender.skip_pages
+                if reserved != expected or sender.skip_pages >= expected:
+                    sender.abort(f"decode reserved {sender.num_dst_pages} pages after {sender.skip_pages} it holds, "
+                                 f"prefill needs {expected}")
                     self._fail(req, sender)
                 else:
+                    self.sends[req].pages_sent = sender.skip_pages  # decode holds those: never sent
                     self.waiting.append(req)
             else:
                 still.append(req)
@@ -96,6 +100,10 @@ class PrefillScheduler(Scheduler):
                 now = time.monotonic()
                 self.transfer_total_seconds += now - (send.first_send_at or now)
                 self.transfer_exposed_seconds += now - (send.prompt_done_at or now)
+                skipped = send.sender.skip_pages
+                self.num_pages_skipped += skipped
+                logger.info("rid=%s room=%s KV sent: %d of %d prompt pages (decode held %d)", req.rid,
+                            send.sender.room, send.pages_sent - skipped, send.pages_sent, skipped)
                 self._finish(req, FinishReason("length"))  # on_finish takes it out of inflight
             elif state == KVPoll.Failed:
                 self._fail(req, send.sender)
@@ -113,6 +121,7 @@ class PrefillScheduler(Scheduler):
         last = self._num_pages(upto_tokens) if is_last else upto_tokens // ps
         if last <= first and not is_last:
             return
+        last = max(last, first)
         pages = [req.kv_slots[i * ps] // ps for i in range(first, last)]
         aux = None
         if is_last:
@@ -131,7 +140,7 @@ class PrefillScheduler(Scheduler):
         # Radix-cache hits are already in the pool: send them before the suffix is computed.
         for req in reqs:
             send = self.sends.get(req)
-            if send is not None and send.pages_sent == 0 and req.tree_len > 0:
+            if send is not None and send.first_send_at is None and req.tree_len > 0:
                 self._send_pages(req, req.tree_len, is_last=False)
         return super()._build(mode, reqs, lens, samples, num_prefill_reqs=num_prefill_reqs)
 
@@ -174,6 +183,7 @@ class PrefillScheduler(Scheduler):
         s["num_bootstrap_queue_reqs"] = float(len(self.bootstrap_queue))
         s["num_inflight_queue_reqs"] = float(len(self.inflight))
         s["num_transfer_failures_total"] = float(self.num_transfer_failures)
+        s["kv_pages_skipped_total"] = float(self.num_pages_skipped)
         s["kv_transfer_total_seconds"] = self.transfer_total_seconds
         s["kv_transfer_exposed_seconds"] = self.transfer_exposed_seconds
         s.update(transfer_stats(self.transfer))

@@ -33,6 +33,7 @@ PROC_PATHS = (
     "launch/",
     "pd/test_pd_aborts.py",
     "pd/test_pd_e2e.py",
+    "pd/test_pd_multiturn.py",
     "pd/test_pd_transfer_health.py",
     "router/",
     "server/test_http_frontend.py",

@@ -85,6 +85,7 @@ class RadixCache:
         self._root = TreeNode([], [], None, 0)
         self._leaves = EvictableLeaves()
         self._evictable_pages = 0
+        self.num_evicted_pages = 0  # pages evicted since the cache was built or cleared (a counter)
         self._protected_pages = 0
         self._num_nodes = 0
 
@@ -202,6 +203,7 @@ class RadixCache:
             if leaf is None:
                 break
             freed += self._remove_leaf(leaf)
+        self.num_evicted_pages += freed
         return freed
 
     def reset(self) -> None:

@@ -45,6 +45,9 @@ class ReqKVManager:
         # there, and in PD decode a NIXL write from prefill does not queue behind it.
         self.defer_frees = defer_frees
         self.deferred_pages: list[int] = []
+        # With defer_frees, a release that hands pages to the radix cache waits too: once in the
+        # tree they are evictable, and an eviction frees them at once.
+        self.deferred_releases: list[Req] = []
 
     # ---- capacity -------------------------------------------------------------------------
     def available_tokens(self) -> int:
@@ -131,9 +134,17 @@ class ReqKVManager:
 
     def release(self, req: Req, *, keep_in_cache: bool = True) -> None:
         """Free everything req holds. With keep_in_cache its computed whole pages stay in the
-        radix cache (unlocked, evictable); the rest goes back to the allocator."""
+        radix cache (unlocked, evictable); the rest goes back to the allocator. With
+        defer_frees a caching release happens at the next free_deferred()."""
         if req not in self.live:
             return
+        if self.defer_frees and keep_in_cache and not self.radix.disable:
+            if req not in self.deferred_releases:
+                self.deferred_releases.append(req)
+            return
+        self._release_now(req, keep_in_cache)
+
+    def _release_now(self, req: Req, keep_in_cache: bool) -> None:
         own_start = req.tree_len
         if keep_in_cache and not self.radix.disable:
             aligned = self._insertable_len(req)
@@ -161,6 +172,10 @@ class ReqKVManager:
 
     def free_deferred(self) -> None:
         """Call when no step that was in flight at release time can still run."""
+        if self.deferred_releases:
+            releases, self.deferred_releases = self.deferred_releases, []
+            for req in releases:
+                self._release_now(req, keep_in_cache=True)
         if self.deferred_pages:
             pages, self.deferred_pages = self.deferred_pages, []
             self.allocator.free(pages)
@@ -194,6 +209,7 @@ class ReqKVManager:
             "kv_pages_total": total,
             "kv_pages_free": self.allocator.num_free,
             "kv_pages_cached": self.radix.cached_pages,
+            "kv_pages_evicted_total": self.radix.num_evicted_pages,
             "kv_pages_in_use": self.in_use_pages() + len(self.deferred_pages),
             "kv_usage": 1.0 - self.allocator.num_free / max(1, total),
         }

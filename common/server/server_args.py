@@ -64,6 +64,7 @@ class ServerArgs:
     disaggregation_bootstrap_port: int = 8998
     disaggregation_transfer_backend: str = "nixl"
     num_reserved_decode_tokens: int = 512
+    disaggregation_decode_enable_radix_cache: bool = False
     disaggregation_bootstrap_timeout: float = TransferConfig.bootstrap_timeout_s
     disaggregation_transfer_timeout: float = TransferConfig.transfer_timeout_s
     disaggregation_heartbeat_interval: float = TransferConfig.heartbeat_interval_s
@@ -239,6 +240,8 @@ _HELP: dict[str, str] = {
     "disaggregation_bootstrap_port": "prefill's bootstrap server port",
     "disaggregation_transfer_backend": "KV transfer backend",
     "num_reserved_decode_tokens": "decode tokens reserved per request when admitting a transfer",
+    "disaggregation_decode_enable_radix_cache": "decode keeps finished requests' KV in a prefix cache, and prefill "
+    "sends only the pages decode lacks (multi-turn chats)",
     "disaggregation_bootstrap_timeout": "seconds prefill waits for decode's destination pages",
     "disaggregation_transfer_timeout": "seconds decode waits for a KV transfer",
     "disaggregation_heartbeat_interval": "seconds between decode -> prefill heartbeats",

@@ -51,11 +51,12 @@ class FakeSender(FakeHandle):
     def __init__(self, rid: str, room: int) -> None:
         super().__init__(rid, room)
         self.num_dst_pages: int | None = None
+        self.skip_pages = 0
         self.sends: list[Send] = []
 
-    def ready(self, num_dst_pages: int) -> None:
-        """Decode reserved its pages."""
-        self.num_dst_pages = num_dst_pages
+    def ready(self, num_dst_pages: int, skip_pages: int = 0) -> None:
+        """Decode reserved its pages (after the `skip_pages` it holds already)."""
+        self.num_dst_pages, self.skip_pages = num_dst_pages, skip_pages
         self.state = KVPoll.WaitingForInput
 
     def send(self, src_page_ids: Sequence[int], is_last: bool, aux: AuxRow | None = None) -> None:
@@ -76,13 +77,14 @@ class FakeReceiver(FakeHandle):
         self.worker = worker
         self.page_size = page_size
         self.pages: list[int] | None = None
+        self.skip_pages = 0
         self.aux_slot: int | None = None
         self.aux: AuxRow | None = None
         self.drained = False
 
-    def init(self, dst_page_ids: Sequence[int], aux_slot: int) -> None:
+    def init(self, dst_page_ids: Sequence[int], aux_slot: int, skip_pages: int = 0) -> None:
         assert self.pages is None, "init() twice"
-        self.pages, self.aux_slot = list(dst_page_ids), aux_slot
+        self.pages, self.aux_slot, self.skip_pages = list(dst_page_ids), aux_slot, skip_pages
         if self.state != KVPoll.Failed:
             self.state = KVPoll.Transferring
 
@@ -90,7 +92,7 @@ class FakeReceiver(FakeHandle):
         """Prefill's WRITEs landed: the prompt's KV in decode's pages, the aux row, Success."""
         assert self.pages is not None and self.worker is not None
         ps = self.page_size
-        for i, token in enumerate(prompt):
+        for i, token in enumerate(prompt[self.skip_pages * ps :]):
             self.worker.kv[self.pages[i // ps] * ps + i % ps] = token
         self.aux = AuxRow(first_token=first_token, cached_tokens=cached_tokens, room=self.room)
         self.state = KVPoll.Success

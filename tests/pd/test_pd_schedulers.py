@@ -60,24 +60,25 @@ class Role:
         return self.scheduler.kv.in_use_pages() + len(self.scheduler.kv.deferred_pages)
 
 
-def _parts(num_pages: int, overlap: bool, decode: bool, **cfg: object):  # type: ignore[no-untyped-def]
-    config = SchedulerConfig(page_size=PS, enable_overlap=overlap, disable_radix_cache=decode, **cfg)  # type: ignore[arg-type]
+def _parts(num_pages: int, overlap: bool, decode: bool, radix: bool, **cfg: object):  # type: ignore[no-untyped-def]
+    config = SchedulerConfig(page_size=PS, enable_overlap=overlap, disable_radix_cache=not radix, **cfg)  # type: ignore[arg-type]
     allocator = PageAllocator(num_pages, PS)
-    kv = ReqKVManager(allocator, RadixCache(allocator, PS, disable=decode), ReqToTokenPool(16, 512), defer_frees=decode)
+    kv = ReqKVManager(allocator, RadixCache(allocator, PS, disable=not radix), ReqToTokenPool(16, 512), defer_frees=decode)
     worker = FakeModelWorker(vocab_size=VOCAB, num_slots=num_pages * PS, max_reqs=16, future_capacity=128)
     return config, kv, worker
 
 
 def make_prefill(num_pages: int = 128, **cfg: object) -> Role:
-    config, kv, worker = _parts(num_pages, overlap=False, decode=False, **cfg)
+    config, kv, worker = _parts(num_pages, overlap=False, decode=False, radix=True, **cfg)
     role = Role(None, worker, FakeKVManager(page_size=PS))  # type: ignore[arg-type]
     role.scheduler = PrefillScheduler(config, SyncExecutor(worker), kv, future_capacity=128, output=role.collect,
                                       transfer=role.transfer)  # type: ignore[arg-type]
     return role
 
 
-def make_decode(num_pages: int = 128, overlap: bool = True, reserved: int = 8, **cfg: object) -> Role:
-    config, kv, worker = _parts(num_pages, overlap=overlap, decode=True, **cfg)
+def make_decode(num_pages: int = 128, overlap: bool = True, reserved: int = 8, radix: bool = False,
+                **cfg: object) -> Role:
+    config, kv, worker = _parts(num_pages, overlap=overlap, decode=True, radix=radix, **cfg)
     role = Role(None, worker, FakeKVManager(worker=worker, page_size=PS))  # type: ignore[arg-type]
     role.scheduler = DecodeScheduler(
         config, SyncExecutor(worker), kv, future_capacity=128, output=role.collect, transfer=role.transfer,  # type: ignore[arg-type]
@@ -174,7 +175,7 @@ def test_prefill_refuses_a_decode_that_reserved_the_wrong_page_count() -> None:
     p.scheduler.add_request(request("a", prompt_of(20), 4))
     p.transfer.senders["a"].ready(pages(20) - 1)
     p.iterate()
-    assert "reserved 4 pages, prefill needs 5" in (p.transfer.senders["a"].aborted or "")
+    assert "reserved 4 pages after 0 it holds, prefill needs 5" in (p.transfer.senders["a"].aborted or "")
     assert p.final("a").finish_reason.type == "abort"
     p.scheduler.kv.check_integrity()
 
@@ -282,4 +283,90 @@ def test_decode_retracts_to_a_host_copy_and_restores_exactly(overlap: bool) -> N
     for rid, prompt in prompts.items():
         assert d.tokens(rid) == reference_generate(prompt, 40, VOCAB), rid
     assert not d.scheduler.retracted and d.pages_in_use == 0 and not d.scheduler.transfers
+    d.scheduler.kv.check_integrity()
+
+
+# ---- decode's prefix cache (--disaggregation-decode-enable-radix-cache) ---------------------------
+
+
+def test_prefill_sends_only_the_pages_decode_lacks() -> None:
+    p = make_prefill(chunked_prefill_size=8)
+    prompt = prompt_of(30)
+    p.scheduler.add_request(request("a", prompt, 4))
+    sender = p.transfer.senders["a"]
+    sender.ready(pages(30) - 5, skip_pages=5)  # decode holds the first 5 pages
+    p.iterate(12)
+    assert len(sender.pages_sent) == pages(30) - 5 and sender.sends[-1].is_last
+    kv_pages = [s // PS for s in p.scheduler.reqs["a"].kv_slots[::PS]]
+    assert sender.pages_sent == kv_pages[5:]  # exactly the prompt's pages from page 5 on, in order
+    sender.state = KVPoll.Success
+    p.iterate()
+    assert p.scheduler.stats()["kv_pages_skipped_total"] == 5.0
+    p.scheduler.kv.check_integrity()
+
+
+def test_prefill_refuses_a_skip_that_does_not_add_up() -> None:
+    p = make_prefill()
+    p.scheduler.add_request(request("a", prompt_of(20), 4))
+    p.transfer.senders["a"].ready(pages(20), skip_pages=1)  # 1 + 5 pages for a 5-page prompt
+    p.iterate()
+    assert "after 1 it holds" in (p.transfer.senders["a"].aborted or "")
+    p.scheduler.kv.check_integrity()
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_decode_prefix_cache_serves_a_second_turn_with_only_its_new_pages(overlap: bool) -> None:
+    d = make_decode(overlap=overlap, radix=True)
+    turn1 = prompt_of(22)
+    d.scheduler.add_request(request("t1", turn1, 8, room=1))
+    d.iterate()
+    d.transfer.receivers["t1"].complete(turn1, reference_generate(turn1, 1, VOCAB)[0])
+    for _ in range(20):
+        d.iterate()
+    answer = d.tokens("t1")
+    assert answer == reference_generate(turn1, 8, VOCAB)
+    assert d.scheduler.kv.radix.cached_pages == (22 + 8 - 1) // PS  # prompt + answer, whole pages
+
+    turn2 = turn1 + answer + prompt_of(7, seed=3)
+    d.scheduler.add_request(request("t2", turn2, 8, room=2))
+    d.iterate()
+    receiver = d.transfer.receivers["t2"]
+    assert receiver.skip_pages == 7 and receiver.pages is not None
+    assert len(receiver.pages) == pages(len(turn2)) - 7  # only the pages after the shared prefix
+    receiver.complete(turn2, reference_generate(turn2, 1, VOCAB)[0])  # writes only those pages
+    for _ in range(20):
+        d.iterate()
+    assert d.tokens("t2") == reference_generate(turn2, 8, VOCAB)  # read the cached prefix correctly
+    assert d.scheduler.stats()["kv_pages_from_cache_total"] == 7.0
+    assert d.pages_in_use == 0
+    d.scheduler.kv.check_integrity()
+
+
+def test_decode_prefix_cache_keeps_failed_transfers_out_of_the_tree() -> None:
+    d = make_decode(radix=True)
+    d.scheduler.add_request(request("a", prompt_of(20), 8))
+    d.iterate()
+    receiver = d.transfer.receivers["a"]
+    receiver.fail(FailureCause.PEER_LOST, "prefill died mid-transfer")
+    receiver.drained = True
+    d.iterate(3)
+    assert d.final("a").finish_reason.type == "abort"
+    assert d.scheduler.kv.radix.cached_pages == 0 and d.pages_in_use == 0  # late WRITEs never cached
+    d.scheduler.kv.check_integrity()
+
+
+def test_decode_prefix_cache_evicts_under_pressure_and_stays_exact() -> None:
+    # 12 usable pages: each finished request leaves its pages in the tree; later ones need them back.
+    d = make_decode(num_pages=13, radix=True, reserved=1)
+    for i in range(6):
+        prompt = prompt_of(17, seed=40 + i)
+        rid = f"r{i}"
+        d.scheduler.add_request(request(rid, prompt, 12, room=i))
+        d.iterate()
+        d.transfer.receivers[rid].complete(prompt, reference_generate(prompt, 1, VOCAB)[0])
+        for _ in range(30):
+            d.iterate()
+        assert d.tokens(rid) == reference_generate(prompt, 12, VOCAB), rid
+    assert d.scheduler.kv.radix.cached_pages > 0 and d.pages_in_use == 0
+    assert d.scheduler.stats()["kv_pages_evicted_total"] > 0
     d.scheduler.kv.check_integrity()

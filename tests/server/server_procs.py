@@ -32,16 +32,26 @@ START_TIMEOUT_S = 60.0
 _PORT_RANGE = (20000, 32000)
 
 
+_handed_out: set[int] = set()
+
+
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that is free now and outside the ephemeral range."""
-    for _ in range(200):
-        port = random.randrange(*_PORT_RANGE)
+    """A TCP port on 127.0.0.1 that is free now, outside the ephemeral range, and never handed
+    out before in this test process (two servers started back to back once drew the same
+    random port: both were told to bind it before either did)."""
+    low, high = _PORT_RANGE
+    start = random.randrange(high - low)
+    for i in range(high - low):
+        port = low + (start + i) % (high - low)
+        if port in _handed_out:
+            continue
         with socket.socket() as s:
             try:
                 s.bind(("127.0.0.1", port))
             except OSError:
                 continue
-            return port
+        _handed_out.add(port)
+        return port
     raise RuntimeError("no free port found")
 
 
@@ -70,6 +80,7 @@ class ServerProcess:
             str(self.port),
             "--log-level",
             os.environ.get("PDSERVE_TEST_LOG_LEVEL", "warning"),
+            "--incremental-streaming-output",  # these tests read delta streams (the default is cumulative)
             *extra,
         ]
         env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
