@@ -24,8 +24,10 @@ def decode_role(args: ServerArgs, transfer_factory: TransferFactory = KVManager)
             parts.cfg, parts.executor, parts.kv, future_capacity=parts.future_capacity, output=parts.output,
             transfer=manager, aux_slots=AuxSlotAllocator(num_slots), kv_pool=parts.kv_pool,
             num_reserved_decode_tokens=args.num_reserved_decode_tokens,
+            local_prefill_max_tokens=args.disaggregation_local_prefill_max_tokens,
         )
         return RoleEngine(scheduler, TransferLink(manager, scheduler.poll_transfers))
 
-    return RoleSpec("decode", radix_cache=args.disaggregation_decode_enable_radix_cache, defer_frees=True,
-                    needs_bootstrap=True, build=build)
+    cache = args.disaggregation_decode_enable_radix_cache
+    return RoleSpec("decode", radix_cache=cache, defer_frees=True, needs_bootstrap=True, build=build,
+                    local_prefill=cache)

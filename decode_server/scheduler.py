@@ -48,6 +48,7 @@ class DecodeScheduler(Scheduler):
     def __init__(
         self, cfg: SchedulerConfig, executor: Executor, kv: ReqKVManager, *, future_capacity: int, output: OutputSink,
         transfer: KVManager, aux_slots: AuxSlotAllocator, kv_pool: KVPool, num_reserved_decode_tokens: int,
+        local_prefill_max_tokens: int = 0,
     ) -> None:
         super().__init__(cfg, executor, kv, future_capacity=future_capacity, output=output)
         assert kv.defer_frees, "decode frees pages only after the step in flight (see kv_manager.py)"
@@ -63,6 +64,10 @@ class DecodeScheduler(Scheduler):
         self.num_transfer_failures = 0
         self.num_prebuilt = 0
         self.num_pages_from_cache = 0  # prompt pages found in the prefix cache instead of transferred
+        self.local_prefill_max_tokens = local_prefill_max_tokens
+        self.num_local_prefill = 0  # requests without bootstrap info, prefilled here
+        self.num_local_prefill_tokens = 0
+        self.num_local_prefill_cache_misses = 0
 
     @property
     def has_work(self) -> bool:
@@ -71,9 +76,21 @@ class DecodeScheduler(Scheduler):
     # ---- intake -----------------------------------------------------------------------------
     def enqueue(self, req: Req) -> None:
         boot = req.bootstrap
-        assert boot is not None, f"decode request without bootstrap info: {req}"
+        if boot is None:  # local prefill: computed here, from what the prefix cache holds
+            assert not self.kv.radix.disable, f"local prefill without decode's prefix cache: {req}"
+            self.num_local_prefill += 1
+            self.waiting.append(req)
+            return
         self.transfers[req] = DecodeTransfer(self.transfer.create_receiver(req.rid, boot.room, boot.host, boot.port))
         self.prealloc.append(req)
+
+    def on_prompt_scheduled(self, req: Req) -> None:
+        """A local prefill's last chunk is scheduled: it decodes here next, as colocated."""
+        computed = len(req.origin_input_ids) - req.cached_tokens
+        self.num_local_prefill_tokens += computed
+        if computed > self.local_prefill_max_tokens and req.retractions == 0:
+            self.num_local_prefill_cache_misses += 1  # evicted since the router looked: slower, still right
+        super().on_prompt_scheduled(req)
 
     def _receiver(self, req: Req) -> KVReceiver:
         return self.transfers[req].receiver
@@ -207,6 +224,10 @@ class DecodeScheduler(Scheduler):
         return bool(self.transferring or self.draining)
 
     def on_retract(self, req: Req) -> None:
+        if req not in self.transfers:  # a local prefill: back to the waiting queue, its KV cached
+            super().on_retract(req)
+            self.kv.free_deferred()  # the worker is quiet: the caching release happens now
+            return
         assert req.num_pending == 0 and self.in_flight is None, "retract needs a quiet worker"
         slots = torch.tensor(req.kv_slots, dtype=torch.int64, device=self.kv_pool.device)
         self.transfers[req].host_kv = self.kv_pool.copy_slots_to_host(slots)
@@ -263,7 +284,7 @@ class DecodeScheduler(Scheduler):
         self._free_aux_slot(req)
         self.transfers.pop(req, None)
         # Only KV that fully arrived (or was computed here) may be reused by later requests.
-        arrived = receiver is not None and receiver.poll() == KVPoll.Success
+        arrived = receiver is None or receiver.poll() == KVPoll.Success
         return PageFate.CACHE if arrived and not self.kv.radix.disable else PageFate.FREE
 
     def stats(self) -> dict[str, float]:
@@ -277,6 +298,9 @@ class DecodeScheduler(Scheduler):
                 "num_transfer_failures_total": float(self.num_transfer_failures),
                 "num_prebuilt_total": float(self.num_prebuilt),
                 "kv_pages_from_cache_total": float(self.num_pages_from_cache),
+                "num_local_prefill_total": float(self.num_local_prefill),
+                "local_prefill_tokens_total": float(self.num_local_prefill_tokens),
+                "num_local_prefill_cache_miss_total": float(self.num_local_prefill_cache_misses),
             }
         )
         s.update(transfer_stats(self.transfer))

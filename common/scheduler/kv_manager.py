@@ -115,9 +115,10 @@ class ReqKVManager:
             return
         tokens = req.fill_ids[:aligned]
         already = self.radix.insert(tokens, req.kv_slots[:aligned])
-        # The tree had [tree_len, already) under other pages: our copies there are duplicates.
+        # The tree had [tree_len, already) under other pages: our copies there are duplicates
+        # (a step in flight may still read them: with defer_frees they wait for it).
         if already > req.tree_len:
-            self.allocator.free_slots(req.kv_slots[req.tree_len : already])
+            self._free_own(req.kv_slots[req.tree_len : already])
         match = self.radix.match_prefix(tokens, include_last=True)
         matched_slots, node = list(match.slots), match.last_node
         assert len(matched_slots) == aligned, f"radix lost an insert: {len(matched_slots)} != {aligned}"

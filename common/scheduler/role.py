@@ -74,6 +74,9 @@ class RoleSpec:
     defer_frees: bool
     needs_bootstrap: bool  # requests must carry BootstrapInfo (PD roles)
     build: Callable[[SchedulerParts], RoleEngine]
+    # a request without BootstrapInfo is prefilled here instead (decode with its prefix cache:
+    # the router sends it a prompt whose uncached suffix is short)
+    local_prefill: bool = False
 
 
 def _build_colocated(parts: SchedulerParts) -> RoleEngine:

@@ -57,7 +57,7 @@ class EngineLoop:
         self.core.shutdown()
 
     def make_req(self, msg: GenerateReq) -> Req:
-        if self.role.needs_bootstrap:
+        if self.role.needs_bootstrap and not (msg.bootstrap is None and self.role.local_prefill):
             if msg.bootstrap is None:
                 raise RequestRejected(f"a {self.role.name} instance needs bootstrap_host, bootstrap_port and bootstrap_room")
             problem = self.health_problem()

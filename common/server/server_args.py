@@ -65,6 +65,7 @@ class ServerArgs:
     disaggregation_transfer_backend: str = "nixl"
     num_reserved_decode_tokens: int = 512
     disaggregation_decode_enable_radix_cache: bool = False
+    disaggregation_local_prefill_max_tokens: int = 256
     disaggregation_bootstrap_timeout: float = TransferConfig.bootstrap_timeout_s
     disaggregation_transfer_timeout: float = TransferConfig.transfer_timeout_s
     disaggregation_heartbeat_interval: float = TransferConfig.heartbeat_interval_s
@@ -126,6 +127,8 @@ class ServerArgs:
             return f"--mem-fraction-static must be in (0, 1), got {self.mem_fraction_static}"
         if self.graceful_shutdown_timeout < 0:
             return f"--graceful-shutdown-timeout must be >= 0, got {self.graceful_shutdown_timeout}"
+        if self.disaggregation_local_prefill_max_tokens < 0:
+            return f"--disaggregation-local-prefill-max-tokens must be >= 0, got {self.disaggregation_local_prefill_max_tokens}"
         if self.num_reserved_decode_tokens < 0:
             return f"--num-reserved-decode-tokens must be >= 0, got {self.num_reserved_decode_tokens}"
         if self.chunked_prefill_size != -1 and (
@@ -241,7 +244,10 @@ _HELP: dict[str, str] = {
     "disaggregation_transfer_backend": "KV transfer backend",
     "num_reserved_decode_tokens": "decode tokens reserved per request when admitting a transfer",
     "disaggregation_decode_enable_radix_cache": "decode keeps finished requests' KV in a prefix cache, and prefill "
-    "sends only the pages decode lacks (multi-turn chats)",
+    "sends only the pages decode lacks (multi-turn chats); a request without bootstrap info is then "
+    "prefilled on decode itself",
+    "disaggregation_local_prefill_max_tokens": "decode: a local prefill that computes more tokens than this "
+    "counts as a cache miss (the router expected its prefix cached)",
     "disaggregation_bootstrap_timeout": "seconds prefill waits for decode's destination pages",
     "disaggregation_transfer_timeout": "seconds decode waits for a KV transfer",
     "disaggregation_heartbeat_interval": "seconds between decode -> prefill heartbeats",

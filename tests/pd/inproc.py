@@ -81,6 +81,12 @@ class InProcessPD:
             core.scheduler.add_request(Req(rid=rid, origin_input_ids=list(prompt), sampling_params=sp, stream=True,
                                            eos_token_ids=self.eos, bootstrap=boot))
 
+    def submit_local(self, rid: str, prompt: list[int], max_new_tokens: int, **params: Any) -> None:
+        """To decode alone, without bootstrap info: prefilled there (needs its prefix cache)."""
+        sp = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0, **params)
+        self.decode.scheduler.add_request(Req(rid=rid, origin_input_ids=list(prompt), sampling_params=sp,
+                                              stream=True, eos_token_ids=self.eos))
+
     def pump(self) -> None:
         _iterate(self.prefill)
         _iterate(self.decode)

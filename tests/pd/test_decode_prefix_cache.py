@@ -83,3 +83,20 @@ def test_abort_mid_suffix_transfer_keeps_both_trees_whole(cached_pd: InProcessPD
     pd.submit("third", second, 4)  # the aborted suffix never entered the tree; the prefix still serves
     pd.run_until_finished(["third"])
     assert pd.tokens("third") == hf_greedy(tiny_llama_path, second, 4)
+
+
+def test_a_short_new_turn_is_prefilled_on_decode(cached_pd: InProcessPD, tiny_llama_path: str) -> None:
+    pd = cached_pd
+    rng = random.Random(9)
+    first = [rng.randrange(3, VOCAB) for _ in range(45)]
+    pd.submit("first", first, 8)
+    pd.run_until_finished(["first"])
+    second = first + pd.tokens("first") + [rng.randrange(3, VOCAB) for _ in range(6)]
+    before = transferred_bytes(pd)
+    pd.submit_local("second", second, 8)
+    pd.run_until_finished(["second"])
+    assert pd.tokens("second") == hf_greedy(tiny_llama_path, second, 8)
+    assert transferred_bytes(pd) == before  # no prefill, no transfer
+    stats = pd.decode.scheduler.stats()
+    assert stats["num_local_prefill_total"] == 1 and stats["num_local_prefill_cache_miss_total"] == 0
+    assert pd.decode_out.outputs["second"][-1].cached_tokens == (45 + 8 - 1) // 4 * 4

@@ -77,12 +77,13 @@ def make_prefill(num_pages: int = 128, **cfg: object) -> Role:
 
 
 def make_decode(num_pages: int = 128, overlap: bool = True, reserved: int = 8, radix: bool = False,
-                **cfg: object) -> Role:
+                local_prefill_max_tokens: int = 64, **cfg: object) -> Role:
     config, kv, worker = _parts(num_pages, overlap=overlap, decode=True, radix=radix, **cfg)
     role = Role(None, worker, FakeKVManager(worker=worker, page_size=PS))  # type: ignore[arg-type]
     role.scheduler = DecodeScheduler(
         config, SyncExecutor(worker), kv, future_capacity=128, output=role.collect, transfer=role.transfer,  # type: ignore[arg-type]
         aux_slots=AuxSlotAllocator(32), kv_pool=FakeWorkerKVPool(worker), num_reserved_decode_tokens=reserved,  # type: ignore[arg-type]
+        local_prefill_max_tokens=local_prefill_max_tokens,
     )
     return role
 
@@ -369,4 +370,64 @@ def test_decode_prefix_cache_evicts_under_pressure_and_stays_exact() -> None:
         assert d.tokens(rid) == reference_generate(prompt, 12, VOCAB), rid
     assert d.scheduler.kv.radix.cached_pages > 0 and d.pages_in_use == 0
     assert d.scheduler.stats()["kv_pages_evicted_total"] > 0
+    d.scheduler.kv.check_integrity()
+
+
+# ---- local prefill on decode (a request without bootstrap info) ----------------------------------
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_decode_prefills_a_short_suffix_itself_from_its_prefix_cache(overlap: bool) -> None:
+    d = make_decode(overlap=overlap, radix=True)
+    turn1 = prompt_of(26)
+    d.scheduler.add_request(request("t1", turn1, 10, room=1))
+    d.iterate()
+    d.transfer.receivers["t1"].complete(turn1, reference_generate(turn1, 1, VOCAB)[0])
+    for _ in range(25):
+        d.iterate()
+    turn2 = turn1 + d.tokens("t1") + prompt_of(5, seed=9)
+    local = request("t2", turn2, 10)
+    local.bootstrap = None
+    d.scheduler.add_request(local)
+    for _ in range(25):
+        d.iterate()
+    assert "t2" not in d.transfer.receivers  # nothing was asked of a prefill
+    assert d.tokens("t2") == reference_generate(turn2, 10, VOCAB)
+    assert d.final("t2").cached_tokens == (26 + 10 - 1) // PS * PS
+    stats = d.scheduler.stats()
+    assert stats["num_local_prefill_total"] == 1 and stats["num_local_prefill_cache_miss_total"] == 0
+    assert stats["local_prefill_tokens_total"] == len(turn2) - (26 + 10 - 1) // PS * PS
+    assert d.pages_in_use == 0
+    d.scheduler.kv.check_integrity()
+
+
+def test_decode_local_prefill_of_an_evicted_prefix_is_slower_but_exact() -> None:
+    d = make_decode(radix=True, local_prefill_max_tokens=8)
+    prompt = prompt_of(40, seed=21)  # never seen here: the router's guess was wrong
+    local = request("x", prompt, 6)
+    local.bootstrap = None
+    d.scheduler.add_request(local)
+    for _ in range(20):
+        d.iterate()
+    assert d.tokens("x") == reference_generate(prompt, 6, VOCAB)
+    assert d.scheduler.stats()["num_local_prefill_cache_miss_total"] == 1
+    d.scheduler.kv.check_integrity()
+
+
+def test_decode_local_prefills_survive_retraction() -> None:
+    # a near-zero new_token_ratio admits all three; 3 x (12 + 40) tokens overflow 16 pages of 4
+    d = make_decode(num_pages=17, radix=True, reserved=1, chunked_prefill_size=16, schedule_conservativeness=0.05)
+    prompts = {f"l{i}": prompt_of(12, seed=60 + i) for i in range(3)}
+    for rid, prompt in prompts.items():
+        req = request(rid, prompt, 40)
+        req.bootstrap = None
+        d.scheduler.add_request(req)
+    for _ in range(400):
+        d.iterate()
+        if all(rid in d.outputs and d.outputs[rid][-1].finish_reason for rid in prompts):
+            break
+    assert d.scheduler.num_retractions > 0
+    for rid, prompt in prompts.items():
+        assert d.tokens(rid) == reference_generate(prompt, 40, VOCAB), rid
+    assert d.pages_in_use == 0
     d.scheduler.kv.check_integrity()
