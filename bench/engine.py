@@ -1,17 +1,26 @@
-"""Offline engine throughput: our Engine vs transformers, engine loop vs raw forward, overlap vs normal.
+"""Offline engine speed on this CPU, as ratios measured in one run (default model, greedy, ignore_eos).
 
-    python bench/engine.py                       # default model (SmolLM2-135M), bf16 + fp32
-    python bench/engine.py --num-prompts 16 --quick
+    python bench/engine.py --quick     # ~2-3 min on a 2-core box
+    python bench/engine.py             # full sizes, < 10 min on a 2-core box
+    python bench/engine.py --dtype bfloat16
 
-Parts (all in one process, same checkpoint, same dtype):
-  1. mixed workload (prompts 16-512 tokens, outputs 16-256 tokens, greedy, ignore_eos):
-     Engine vs transformers `generate` on static padded batches of --hf-batch-size
-     (only the requested tokens count as useful output).
-  2. steady decode: --decode-batch requests x 64-token prompts, --decode-steps steps:
-     the engine loop vs a raw loop calling ModelRunner.forward + Sampler on the same shapes.
-  3. overlap vs normal loop on the workload of part 2; scheduler CPU ms per step.
-Last line: RESULT {json} with engine_tok_s, hf_static_tok_s, ratio_vs_hf_static (bf16),
-engine_vs_raw_forward, overlap_vs_normal, sched_ms_per_step.
+dtype: "auto" = bfloat16 only where the CPU has native bf16 (avx512_bf16 / amx_bf16), else
+float32 (emulated bf16 runs ~3x slower on an AVX2-only EPYC). Rounds of A and B alternate
+and each side keeps its best, so load from elsewhere on a shared box hits both alike.
+
+  1. uniform: N prompts (32-96 tokens) x 64 new tokens: the engine vs transformers
+     `generate` on one static batch of the same prompts      -> uniform_ratio_vs_hf
+  2. batch 1: one 64-token prompt x 128 new tokens: the engine vs transformers batch 1
+                                                              -> b1_ratio_vs_hf
+     and the engine's seconds per token / the weight-streaming floor (weight bytes per token
+     / read bandwidth measured here)                          -> b1_vs_bandwidth_floor (>= 1)
+  3. steady decode, 32 requests: the engine loop vs a raw ModelRunner.forward + Sampler loop
+                                                              -> engine_vs_raw_forward
+     the overlap loop vs the normal loop                      -> overlap_vs_normal
+     one decode forward on a fresh thread vs the main thread  -> forward_thread_vs_main
+  4. levers: decode forward with vs without oneDNN weight prepacking, batch 1 and 32
+                                                              -> prepack_speedup_b1/_bs32
+Last line: RESULT {json} with those keys, the tok/s behind them and the CPU (model, flags).
 """
 
 from __future__ import annotations
@@ -20,162 +29,134 @@ import argparse
 import json
 import random
 import time
+from typing import Any
 
-import torch
 import transformers
+from engine_parts import (
+    best_of,
+    cpu_description,
+    decode_step_seconds,
+    on_new_thread,
+    read_bandwidth_gbs,
+    run_engine,
+    run_hf_static,
+    run_raw_decode,
+    uniform_work,
+    weight_bytes_per_token,
+)
 
 from common.engine import Engine
+from common.model.config import resolve_dtype
 from common.model.default_model import resolve_model_path
-from common.model.forward_batch import ForwardBatch, ForwardMode
-from common.model.sampling_info import SamplingBatchInfo
-from common.sampling_params import SamplingParams
+from common.model.model_runner import ModelRunner
+
+SIZES = {  # quick, full
+    "uniform_prompts": (8, 32),
+    "uniform_new": (32, 64),
+    "b1_new": (32, 128),
+    "steady_steps": (16, 64),
+    "reps": (1, 2),
+}
 
 
-def mixed_workload(n: int, vocab: int, seed: int, max_prompt: int, max_out: int) -> list[tuple[list[int], int]]:
-    rng = random.Random(seed)
-    return [
-        ([rng.randrange(100, vocab) for _ in range(rng.randint(16, max_prompt))], rng.randint(16, max_out))
-        for _ in range(n)
-    ]
+def engine_args(batch: int, **extra: Any) -> dict[str, Any]:
+    return dict(page_size=16, chunked_prefill_size=512, max_prefill_tokens=4096, max_running_requests=batch,
+                max_total_tokens=65536, **extra)
 
 
-def run_engine(engine: Engine, work: list[tuple[list[int], int]]) -> float:
-    params = [{"max_new_tokens": n, "temperature": 0.0, "ignore_eos": True} for _, n in work]
-    start = time.perf_counter()
-    outs = engine.generate(input_ids=[p for p, _ in work], sampling_params=params)
-    elapsed = time.perf_counter() - start
-    assert sum(o["meta_info"]["completion_tokens"] for o in outs) == sum(n for _, n in work)  # type: ignore[index]
-    return elapsed
-
-
-@torch.inference_mode()
-def run_hf_static(model: transformers.PreTrainedModel, work: list[tuple[list[int], int]], batch: int) -> float:
-    start = time.perf_counter()
-    for i in range(0, len(work), batch):
-        group = work[i : i + batch]
-        width = max(len(p) for p, _ in group)
-        ids = torch.zeros(len(group), width, dtype=torch.long)
-        mask = torch.zeros(len(group), width, dtype=torch.long)
-        for j, (p, _) in enumerate(group):
-            ids[j, width - len(p) :] = torch.tensor(p)
-            mask[j, width - len(p) :] = 1
-        model.generate(
-            ids, attention_mask=mask, max_new_tokens=max(n for _, n in group), do_sample=False,
-            eos_token_id=[], pad_token_id=0,
-        )
-    return time.perf_counter() - start
-
-
-@torch.inference_mode()
-def run_raw_decode(engine: Engine, prompts: list[list[int]], steps: int) -> float:
-    """Prefill + `steps` decode steps straight through ModelRunner + Sampler (no scheduler)."""
-    core = engine.core
-    runner, sampler = core.runner, core.scheduler.executor.worker.sampler
-    ps = core.kv_pool.page_size
-    table = runner.req_to_token
-    bs = len(prompts)
-    span = (max(len(p) for p in prompts) + steps + ps) // ps * ps
-    for r in range(bs):  # each request gets a contiguous run of slots after the reserved page
-        table[r, :span] = torch.arange(ps + r * span, ps + (r + 1) * span)
-    params = [SamplingParams(max_new_tokens=steps, temperature=0.0)] * bs
-    info = SamplingBatchInfo.from_params(params, list(range(bs)), vocab_size=runner.vocab_size)
-    start = time.perf_counter()
-    fb = ForwardBatch.build(
-        ForwardMode.EXTEND,
-        [t for p in prompts for t in p],
-        [i for p in prompts for i in range(len(p))],
-        [int(table[r, i]) for r, p in enumerate(prompts) for i in range(len(p))],
-        list(range(bs)), [len(p) for p in prompts], [0] * bs,
-    )
-    tokens = sampler.sample(runner.forward(fb), info).next_token_ids
-    lens = [len(p) for p in prompts]
-    for _ in range(steps - 1):
-        fb = ForwardBatch.build(
-            ForwardMode.DECODE, tokens.tolist(), lens, [int(table[r, lens[r]]) for r in range(bs)],
-            list(range(bs)), [n + 1 for n in lens], lens,
-        )
-        tokens = sampler.sample(runner.forward(fb), info).next_token_ids
-        lens = [n + 1 for n in lens]
-    elapsed = time.perf_counter() - start
-    table[:bs].zero_()
-    return elapsed
-
-
-def run_steady(engine: Engine, work: list[tuple[list[int], int]], sched_ms: list[float]) -> float:
-    """run_engine; on the overlap loop (the forward runs in the other thread) also appends the
-    scheduler's CPU ms per step to `sched_ms`."""
-    busy0, steps0 = engine.scheduler.busy_seconds, engine.scheduler.num_steps
-    t = run_engine(engine, work)
-    if engine.args.overlap_schedule:
-        steps = max(1, engine.scheduler.num_steps - steps0)
-        sched_ms.append(1000 * (engine.scheduler.busy_seconds - busy0) / steps)
-    return t
+def part_vs_hf(engine: Engine, hf: transformers.PreTrainedModel, work: list[tuple[list[int], int]],
+               reps: int, label: str, out: dict[str, Any]) -> tuple[float, float]:
+    toks = sum(n for _, n in work)
+    t_engine, t_hf = best_of(reps, lambda: run_engine(engine, work), lambda: run_hf_static(hf, work, len(work)))
+    e_tps, h_tps = toks / t_engine, toks / t_hf
+    print(f"[{label}] {len(work)} x {work[0][1]} new tokens: engine {e_tps:.1f} tok/s, transformers "
+          f"{h_tps:.1f} tok/s, ratio {e_tps / h_tps:.2f}x", flush=True)
+    out[f"{label}_engine_tok_s"], out[f"{label}_hf_tok_s"] = round(e_tps, 1), round(h_tps, 1)
+    return t_engine, t_hf
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model-path", default=None)
-    ap.add_argument("--num-prompts", type=int, default=64)
-    ap.add_argument("--max-prompt-len", type=int, default=512)
-    ap.add_argument("--max-output-len", type=int, default=256)
-    ap.add_argument("--hf-batch-size", type=int, default=64)
+    ap.add_argument("--dtype", default="auto", help="auto (from the CPU's flags), float32 or bfloat16")
+    ap.add_argument("--quick", action="store_true", help="small sizes, one round per side")
     ap.add_argument("--decode-batch", type=int, default=32)
-    ap.add_argument("--decode-steps", type=int, default=64)
-    ap.add_argument("--dtypes", default="bfloat16,float32")
-    ap.add_argument("--quick", action="store_true", help="small sizes for a smoke run")
     args = ap.parse_args()
-    if args.quick:
-        args.num_prompts, args.max_prompt_len, args.max_output_len = 8, 64, 32
-        args.hf_batch_size, args.decode_batch, args.decode_steps = 8, 8, 16
+    q = 0 if args.quick else 1
+    size = {k: v[q] for k, v in SIZES.items()}
+    reps = size["reps"]
     path = resolve_model_path(args.model_path)
-    result: dict[str, float] = {}
-    for dtype in args.dtypes.split(","):
-        engine = Engine(path, dtype=dtype, page_size=16, chunked_prefill_size=512, max_prefill_tokens=4096,
-                        max_running_requests=max(args.num_prompts, args.decode_batch), max_total_tokens=131072)
-        work = mixed_workload(args.num_prompts, engine.vocab_size, 0, args.max_prompt_len, args.max_output_len)
-        useful = sum(n for _, n in work)
-        run_engine(engine, work[:2])  # warm up
-        t_engine = run_engine(engine, work)
-        hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).eval()
-        t_hf = run_hf_static(hf, work, args.hf_batch_size)
-        del hf
-        e_tps, h_tps = useful / t_engine, useful / t_hf
-        print(f"[{dtype}] mixed workload {len(work)} prompts, {useful} output tokens: "
-              f"engine {e_tps:.1f} tok/s ({t_engine:.1f} s), transformers static {h_tps:.1f} tok/s "
-              f"({t_hf:.1f} s), ratio {e_tps / h_tps:.2f}x")
-        tag = "" if dtype == "bfloat16" else "_fp32"
-        result[f"engine_tok_s{tag}"] = round(e_tps, 1)
-        result[f"hf_static_tok_s{tag}"] = round(h_tps, 1)
-        result[f"ratio_vs_hf_static{tag}"] = round(e_tps / h_tps, 3)
+    dtype = resolve_dtype(args.dtype, "cpu")
+    dtype_name = str(dtype).removeprefix("torch.")
+    cpu = cpu_description()
+    print(f"CPU: {cpu['model']} flags {cpu['flags']} threads {cpu['threads']}; dtype {dtype_name}", flush=True)
+    result: dict[str, Any] = {"cpu": cpu, "dtype": dtype_name, "quick": args.quick}
+    bs = max(size["uniform_prompts"], args.decode_batch)
+    normal = Engine(path, dtype=dtype_name, **engine_args(bs, disable_overlap_schedule=True))
+    vocab = normal.vocab_size
+    run_engine(normal, uniform_work(2, vocab, (32, 96), 4, seed=9))  # warm up
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
 
-        if dtype == "bfloat16":
-            rng = random.Random(1)
-            prompts = [[rng.randrange(100, engine.vocab_size) for _ in range(64)] for _ in range(args.decode_batch)]
-            steady = [(p, args.decode_steps) for p in prompts]
-            t_raw = run_raw_decode(engine, prompts, args.decode_steps)
-            sched_ms: list[float] = []
-            t_default = run_steady(engine, steady, sched_ms)  # the default loop: overlap on CUDA, normal on CPU
-            default_overlap = engine.args.overlap_schedule
-            engine.shutdown()
-            other = Engine(path, dtype=dtype, page_size=16, max_running_requests=args.decode_batch,
-                           max_total_tokens=131072, disable_overlap_schedule=default_overlap,
-                           enable_cpu_overlap_schedule=not default_overlap)
-            run_engine(other, steady[:2])
-            t_other = run_steady(other, steady, sched_ms)
-            other.shutdown()
-            t_overlap, t_normal = (t_default, t_other) if default_overlap else (t_other, t_default)
-            toks = args.decode_batch * args.decode_steps
-            print(f"[{dtype}] steady decode {args.decode_batch} x {args.decode_steps}: raw forward "
-                  f"{toks / t_raw:.1f} tok/s, engine overlap {toks / t_overlap:.1f} tok/s, engine normal "
-                  f"{toks / t_normal:.1f} tok/s (default here: {'overlap' if default_overlap else 'normal'}); "
-                  f"scheduler CPU {sched_ms[0]:.2f} ms/step")
-            result["engine_vs_raw_forward"] = round(t_raw / t_default, 3)
-            result["overlap_vs_normal"] = round(t_normal / t_overlap, 3)
-            result["sched_ms_per_step"] = round(sched_ms[0], 3)
-        else:
-            engine.shutdown()
+    # 1. uniform batch, 2. batch 1
+    uniform = uniform_work(size["uniform_prompts"], vocab, (32, 96), size["uniform_new"])
+    t_e, t_h = part_vs_hf(normal, hf, uniform, reps, "uniform", result)
+    result["uniform_ratio_vs_hf"] = round(t_h / t_e, 3)
+    single = uniform_work(1, vocab, (64, 64), size["b1_new"], seed=1)
+    t_e, t_h = part_vs_hf(normal, hf, single, reps, "b1", result)
+    result["b1_ratio_vs_hf"] = round(t_h / t_e, 3)
+    del hf
+    bandwidth = read_bandwidth_gbs()
+    weight_bytes = weight_bytes_per_token(normal.core.runner)
+    floor_s = weight_bytes / (bandwidth * 1e9)
+    b1_step = decode_step_seconds(normal.core.runner, 1, 64, size["b1_new"])
+    result["b1_vs_bandwidth_floor"] = round((t_e / size["b1_new"]) / floor_s, 3)
+    print(f"[b1] read bandwidth {bandwidth:.1f} GB/s, {weight_bytes / 1e6:.0f} MB of weights per token: floor "
+          f"{1000 * floor_s:.1f} ms/token; engine {1000 * t_e / size['b1_new']:.1f} ms/token end to end, "
+          f"raw decode forward {1000 * b1_step:.1f} ms", flush=True)
+    result.update(read_bandwidth_gbs=round(bandwidth, 1), b1_forward_ms=round(1000 * b1_step, 2))
+
+    # 3. steady decode: engine loop vs raw loop, overlap vs normal, the forward's thread
+    rng = random.Random(1)
+    steps, batch = size["steady_steps"], args.decode_batch
+    prompts = [[rng.randrange(100, vocab) for _ in range(64)] for _ in range(batch)]
+    steady = [(p, steps) for p in prompts]
+    overlap = Engine(path, dtype=dtype_name, **engine_args(bs, enable_cpu_overlap_schedule=True))
+    run_engine(overlap, steady[:2])
+    t_raw, t_normal, t_overlap = best_of(
+        reps, lambda: run_raw_decode(normal, prompts, steps), lambda: run_engine(normal, steady),
+        lambda: run_engine(overlap, steady),
+    )
+    overlap.shutdown()
+    runner = normal.core.runner
+    t_main, t_thread = best_of(
+        reps + 1, lambda: decode_step_seconds(runner, batch, 64, 4),
+        lambda: on_new_thread(lambda: decode_step_seconds(runner, batch, 64, 4)),
+    )
+    toks = batch * steps
+    print(f"[steady] {batch} x {steps}: raw forward+sample {toks / t_raw:.1f} tok/s, engine normal "
+          f"{toks / t_normal:.1f}, engine overlap {toks / t_overlap:.1f}; decode forward main thread "
+          f"{1000 * t_main:.1f} ms, fresh thread {1000 * t_thread:.1f} ms", flush=True)
+    result.update(
+        engine_vs_raw_forward=round(t_raw / t_normal, 3), overlap_vs_normal=round(t_normal / t_overlap, 3),
+        forward_thread_vs_main=round(t_main / t_thread, 3), steady_normal_tok_s=round(toks / t_normal, 1),
+        steady_overlap_tok_s=round(toks / t_overlap, 1),
+    )
+
+    # 4. lever: oneDNN weight prepacking (a second runner without it, same weights)
+    if runner.weights_prepacked:
+        plain = ModelRunner(path, dtype=dtype, kv_pool=runner.kv_pool, req_to_token=runner.req_to_token,
+                            cpu_weight_prepack=False)
+        for b, key in ((1, "prepack_speedup_b1"), (batch, "prepack_speedup_bs32")):
+            t_plain, t_packed = best_of(reps + 1, lambda b=b: decode_step_seconds(plain, b, 64, 4),  # type: ignore[misc]
+                                        lambda b=b: decode_step_seconds(runner, b, 64, 4))  # type: ignore[misc]
+            result[key] = round(t_plain / t_packed, 3)
+            print(f"[prepack] batch {b} decode forward: plain {1000 * t_plain:.1f} ms, packed "
+                  f"{1000 * t_packed:.1f} ms ({t_plain / t_packed:.2f}x)", flush=True)
+    normal.shutdown()
     print("RESULT " + json.dumps(result))
 
 
 if __name__ == "__main__":
+    start = time.perf_counter()
     main()
+    print(f"(bench took {time.perf_counter() - start:.0f} s)")

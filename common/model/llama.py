@@ -19,6 +19,7 @@ from common.cache.kv_pool import KVPool
 from common.model.attention.base import AttentionBackend
 from common.model.config import ModelConfig
 from common.model.forward_batch import ForwardBatch
+from common.model.packed_linear import PackedLinear, prepack_linears
 from common.model.rope import RopeTable, RotaryEmbedding
 
 
@@ -128,6 +129,14 @@ class LlamaForCausalLM(nn.Module):
             if config.tie_word_embeddings
             else nn.Linear(config.hidden_size, config.vocab_size, bias=False, dtype=dtype)
         )
+        self.packed_head: PackedLinear | None = None  # set by prepack_for_cpu
+
+    def prepack_for_cpu(self) -> None:
+        """Every linear of the decoder, and the logits projection, as oneDNN packed linears
+        (packed_linear.py). Call once the weights are loaded."""
+        prepack_linears(self.model)
+        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        self.packed_head = PackedLinear(weight, None)
 
     def forward(
         self, batch: ForwardBatch, kv_pool: KVPool, backend: AttentionBackend, *, all_tokens: bool = False
@@ -148,5 +157,7 @@ class LlamaForCausalLM(nn.Module):
         return self.model.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.packed_head is not None:
+            return self.packed_head(hidden).float()
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return F.linear(hidden, weight).float()

@@ -19,6 +19,7 @@ from common.model.attention import AttentionShape, create_attention_backend
 from common.model.config import ModelConfig, resolve_dtype
 from common.model.forward_batch import ForwardBatch, ForwardMode
 from common.model.loader import build_model
+from common.model.packed_linear import prepack_supported
 
 logger = logging.getLogger(__name__)
 
@@ -33,10 +34,13 @@ class ModelRunner:
         kv_pool: KVPool | Callable[[], KVPool],
         req_to_token: torch.Tensor,
         attention_backend: str = "auto",
+        cpu_weight_prepack: bool = True,
     ) -> None:
         """model_path: an HF checkpoint dir (see default_model.resolve_model_path for "default").
         kv_pool: the pool, or a function that builds it, called once the weights are loaded (so a
-        GPU pool can be sized from the memory the weights left, see memory_budget.py)."""
+        GPU pool can be sized from the memory the weights left, see memory_budget.py).
+        cpu_weight_prepack: on CPU, run the linears through oneDNN on weights packed once
+        (packed_linear.py; where the dtype is native to the CPU)."""
         self.model_config = ModelConfig.from_pretrained(model_path)
         self.device = torch.device(device)
         self.dtype = resolve_dtype(dtype, self.device)
@@ -45,14 +49,18 @@ class ModelRunner:
             self._check_kv_memory(kv_pool)
         start = time.perf_counter()
         self.model = build_model(self.model_config, dtype=self.dtype, device=self.device)
+        self.weights_prepacked = cpu_weight_prepack and prepack_supported(self.device, self.dtype)
+        if self.weights_prepacked:
+            self.model.prepack_for_cpu()
         logger.info(
-            "loaded %s (%s, %d layers) as %s on %s in %.1f s",
+            "loaded %s (%s, %d layers) as %s on %s in %.1f s%s",
             model_path,
             self.model_config.architecture,
             self.model_config.num_layers,
             str(self.dtype).removeprefix("torch."),
             self.device,
             time.perf_counter() - start,
+            ", linears prepacked for oneDNN" if self.weights_prepacked else "",
         )
         if not isinstance(kv_pool, KVPool):
             kv_pool = kv_pool()

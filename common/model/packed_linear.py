@@ -1,0 +1,63 @@
+"""CPU linears through oneDNN with each weight packed once at load ("weight prepacking").
+
+torch's nn.Linear on CPU calls MKL's sgemm/sgemv on the row-major weight. At decode sizes
+that is slow: MKL's gemv streams the weights from one core (~13-14 GB/s on a 2-core AVX2
+EPYC whose two cores read ~34 GB/s), and small-M gemm re-packs the weight every call. oneDNN's
+inner product over a weight reordered once into its blocked layout is parallel and packs
+nothing per call. Measured on that box (all 121 linears of SmolLM2-135M, fp32, ms per step):
+
+    rows (batch)     1      8      32     64     256
+    nn.Linear        44.6   73.2   118.7  164.9  492.1
+    packed oneDNN    28.4   41.7   81.9   138.8  460.3     (bench/engine.py part 4)
+
+This is what inductor's CPU backend does with `freezing` (mkldnn linear + weight prepack),
+without compiling anything. Used on CPU for float32, and for bfloat16 only where the CPU
+has native bf16 (common.model.config.cpu_has_native_bf16); never on CUDA.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from common.model.config import cpu_has_native_bf16
+
+# oneDNN picks its blocked layout for this many rows; one packing serves every batch size
+# (packed for 32 rows it beat packing for 1 row at every size measured, 1..256).
+PACK_BATCH_HINT = 32
+
+
+def prepack_supported(device: torch.device, dtype: torch.dtype) -> bool:
+    if device.type != "cpu" or not torch.backends.mkldnn.is_available():
+        return False
+    return dtype == torch.float32 or (dtype == torch.bfloat16 and cpu_has_native_bf16())
+
+
+class PackedLinear(nn.Module):
+    """y = x @ W^T + b with W held only in oneDNN's packed layout (the plain weight is dropped)."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        self.packed_weight = nn.Parameter(
+            torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_BATCH_HINT), requires_grad=False
+        )
+        self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lead = x.shape[:-1]
+        rows = x.reshape(-1, self.in_features)
+        if rows.shape[0] == 0:
+            return x.new_empty(*lead, self.out_features)
+        out = torch.ops.mkldnn._linear_pointwise(rows.contiguous(), self.packed_weight, self.bias, "none", [], "")
+        return out.view(*lead, self.out_features)
+
+
+def prepack_linears(model: nn.Module) -> int:
+    """Replace every nn.Linear under `model` by a PackedLinear; returns how many."""
+    targets = [(name, m) for name, m in model.named_modules() if isinstance(m, nn.Linear)]
+    for name, linear in targets:
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, child, PackedLinear(linear.weight, linear.bias))
+    return len(targets)
