@@ -102,7 +102,7 @@ def metric(url: str, name: str) -> float:
 
 
 async def one_turn(client: httpx.AsyncClient, url: str, prompt: list[int], max_new: int) -> tuple[float, list[int]]:
-    body = {"input_ids": prompt, "stream": True,
+    body = {"input_ids": prompt, "stream": True, "incremental_stream": True,
             "sampling_params": {"max_new_tokens": max_new, "temperature": 0, "ignore_eos": True}}
     t0 = time.perf_counter()
     ttft: float | None = None

@@ -56,9 +56,10 @@ def stream_once(client: httpx.Client, url: str, body: dict[str, Any]) -> float:
 
 
 def latency(router: RouterProc, decode: StubWorker, prefill: StubWorker, n: int, tokens: int) -> dict[str, float]:
-    direct_body = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": tokens}, "stream": True,
+    direct_body = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": tokens}, "stream": True, "incremental_stream": True,
                    "bootstrap_host": "127.0.0.1", "bootstrap_port": prefill.port + 1, "bootstrap_room": 1}
-    routed_native = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": tokens}, "stream": True}
+    routed_native = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": tokens}, "stream": True,
+                     "incremental_stream": True}
     routed_openai = {"prompt": PROMPT, "max_tokens": tokens, "stream": True}
     out: dict[str, list[float]] = {"direct": [], "native": [], "openai": []}
     with httpx.Client(timeout=30) as c:
@@ -150,7 +151,7 @@ def main() -> None:
             print(f"{k:7s} p50 {lat[f'{k}_p50_ms']:.2f} ms  p99 {lat[f'{k}_p99_ms']:.2f} ms   "
                   f"direct p50 {lat['direct_p50_ms']:.2f} ms  p99 {lat['direct_p99_ms']:.2f} ms")
         body = {"prompt": PROMPT, "max_tokens": args.tokens, "stream": True}
-        direct = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": args.tokens}, "stream": True,
+        direct = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": args.tokens}, "stream": True, "incremental_stream": True,
                   "bootstrap_host": "127.0.0.1", "bootstrap_port": p.port + 1, "bootstrap_room": 1}
         thr_direct = throughput(d.url + "/generate", direct, args.concurrency, args.duration, args.client_procs)
         cpu0 = cpu_seconds(router.popen.pid)

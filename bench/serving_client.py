@@ -126,7 +126,7 @@ class Native(Protocol):
     def body(self, req: RequestInput) -> dict[str, Any]:
         sp = {"max_new_tokens": req.output_len, "ignore_eos": True, **self.extra}
         prompt: dict[str, Any] = {"input_ids": list(req.input_ids)} if req.input_ids else {"text": req.text}
-        return {**prompt, "sampling_params": sp, "stream": True}
+        return {**prompt, "sampling_params": sp, "stream": True, "incremental_stream": True}  # deltas
 
     def parse(self, ev: dict[str, Any]) -> Delta:
         err = self.event_error(ev)

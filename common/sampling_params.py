@@ -28,6 +28,7 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     stop_token_ids: list[int] = []
     ignore_eos: bool = False
     skip_special_tokens: bool = True
+    no_stop_trim: bool = False  # keep a matched stop string in the output text
 
     @property
     def is_greedy(self) -> bool:
@@ -39,27 +40,10 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
 
     @classmethod
     def from_dict(cls, d: dict[str, Any] | None) -> SamplingParams:
-        if d is None:
-            d = {}
-        if not isinstance(d, dict):
-            raise ValueError("sampling_params must be an object")
-        known = set(cls.__struct_fields__)
-        unknown = sorted(set(d) - known)
-        if unknown:
-            raise ValueError(f"unknown sampling parameter(s): {', '.join(unknown)}")
-        d = dict(d)
-        if isinstance(d.get("stop"), str):
-            d["stop"] = [d["stop"]]
-        if d.get("stop") is None:
-            d.pop("stop", None)
-        if d.get("stop_token_ids") is None:
-            d.pop("stop_token_ids", None)
-        try:
-            params = msgspec.convert(d, cls, strict=False)
-        except msgspec.ValidationError as e:
-            raise ValueError(f"invalid sampling_params: {e}") from None
-        params.validate()
-        return params
+        """SGLang's sampling_params object -> validated params (common/sampling_request.py)."""
+        from common.sampling_request import parse_sampling_params
+
+        return parse_sampling_params(d)
 
     def validate(self, vocab_size: int | None = None) -> None:
         def bad(msg: str) -> None:

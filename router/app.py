@@ -21,6 +21,9 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from common.server.generate_request import GenerateRequestBody
+from common.server.generate_response import ErrorResponse, GenerateResponse
+from common.server.openapi import ApiRoute, mount_openapi, openapi_document
 from router.config import RouterConfig, WorkerSpec, normalize_url
 from router.dispatcher import Dispatcher
 from router.errors import ApiError, bad_request
@@ -30,6 +33,13 @@ from router.health import HealthChecker
 from router.metrics import RouterMetrics
 from router.model_info import ModelInfo
 from router.openai_request import RequestParser
+from router.openai_types import (
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionRequest,
+    CompletionResponse,
+    ModelList,
+)
 from router.registry import WorkerRegistry
 
 logger = logging.getLogger("router")
@@ -47,7 +57,7 @@ class Router:
         self.dispatcher = Dispatcher(cfg, self.registry, self.metrics)
         probe_ids = self.model.encode("ping")[:4]
         self.health = HealthChecker(cfg, self.registry, self.metrics, probe_ids)
-        self.parser = RequestParser(self.model, cfg.default_max_tokens_cap)
+        self.parser = RequestParser(self.model, cfg.default_max_tokens_cap, cfg.incremental_streaming_output)
         self.handler = GenerationHandler(self)
         self.created = int(time.time())
 
@@ -160,7 +170,22 @@ def build_app(cfg: RouterConfig, model: ModelInfo | None = None) -> FastAPI:
         logger.info("worker %s (%s) removed", w.url, w.role)
         return json_response(msgspec.json.encode(w.describe()), 200, None)
 
+    mount_openapi(app, openapi_document("pdserve router", ROUTER_ROUTES))
     return app
+
+
+ROUTER_ROUTES = [
+    ApiRoute("POST", "/v1/completions", "OpenAI completions (echo + logprobs: prompt logprobs)", CompletionRequest,
+             {"200": CompletionResponse, "404": ErrorResponse}, streams=True),
+    ApiRoute("POST", "/v1/chat/completions", "OpenAI chat completions", ChatCompletionRequest,
+             {"200": ChatCompletionResponse, "404": ErrorResponse}, streams=True),
+    ApiRoute("POST", "/generate", "SGLang-native generation (docs/generate_api.md)", GenerateRequestBody,
+             {"200": GenerateResponse}, streams=True),
+    ApiRoute("GET", "/v1/models", "the served model", None, {"200": ModelList}, errors=False),
+    ApiRoute("GET", "/health", "200 once a prefill->decode round trip succeeded", None,
+             {"200": dict[str, str]}),
+    ApiRoute("GET", "/metrics", "Prometheus text", None, {"200": None}, media_type="text/plain", errors=False),
+]
 
 
 def _url(raw: str) -> str:

@@ -99,6 +99,7 @@ class RouterConfig:
     max_tree_tokens: int = 1 << 20
     max_connections: int = 2048
     max_body_bytes: int = 8 << 20
+    incremental_streaming_output: bool = False  # /generate streams deltas (default: cumulative, as SGLang)
     log_level: str = "info"
 
     @property
@@ -221,6 +222,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--health-unresponsive-timeout", type=float, default=d["health_unresponsive_timeout"],
                    help="seconds without any answer (probe or request) before a worker is down "
                         "(default: failure threshold x (interval + timeout))")
+    p.add_argument("--incremental-streaming-output", action="store_true",
+                   help="/generate streams deltas of text and output_ids (default: cumulative events, as SGLang); "
+                        "a request's `incremental_stream` overrides it")
     p.add_argument("--log-level", default=d["log_level"])
     return p
 

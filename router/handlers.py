@@ -18,11 +18,13 @@ import uuid
 from collections.abc import AsyncIterator, Awaitable
 from typing import TYPE_CHECKING, TypeVar
 
+import msgspec
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
 from router.errors import ApiError, UpstreamError
 from router.fields import decode_json_object
+from router.native_response import CumulativeEvents, prompt_only, sse_event
 from router.openai_request import safe_rid
 from router.openai_response import SSE_DONE, ResponseFormatter, sse
 from router.plan import Api, GenerationPlan
@@ -34,6 +36,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("router.request")
 T = TypeVar("T")
+_ENC = msgspec.json.Encoder()
 ROUTES: dict[Api, str] = {"completion": "/v1/completions", "chat": "/v1/chat/completions", "generate": "/generate"}
 
 
@@ -121,7 +124,8 @@ class GenerationHandler:
         if not plan.stream:
             self._done(route, "200", t0)
             if api == "generate":
-                return json_response(first.raw, 200, rid)
+                raw = _ENC.encode(prompt_only(first.data)) if plan.prompt_only else first.raw
+                return json_response(raw, 200, rid)
             return json_response(ResponseFormatter(plan, rid, self.router.model).full(first.data), 200, rid)
         self.metrics.ttft.labels(route).observe(time.perf_counter() - t0)
         return StreamingResponse(self._stream(plan, rid, run, first, route, t0), media_type="text/event-stream",
@@ -131,17 +135,30 @@ class GenerationHandler:
                       t0: float) -> AsyncIterator[bytes]:
         native = plan.api == "generate"
         fmt = None if native else ResponseFormatter(plan, rid, self.router.model)
+        cumulative = CumulativeEvents() if native and not plan.incremental else None
         itl = self.metrics.itl.labels(route)
         status = "client_gone"
         last = time.perf_counter()
         try:
-            yield b"data: " + first.raw + b"\n\n" if fmt is None else fmt.chunk(first.data)
+            if fmt is not None:
+                yield fmt.chunk(first.data)
+            elif plan.prompt_only:
+                yield sse_event(prompt_only(first.data))
+            elif cumulative is not None:
+                cumulative.add(first.data)
+                yield cumulative.event()
+            else:
+                yield b"data: " + first.raw + b"\n\n"
             try:
                 async for batch in run.batches():
                     now = time.perf_counter()
                     itl.observe(now - last)
                     last = now
-                    if fmt is None:
+                    if cumulative is not None:
+                        for ev in batch:
+                            cumulative.add(ev.data)
+                        out = cumulative.event()
+                    elif fmt is None:
                         out = b"".join([b"data: " + ev.raw + b"\n\n" for ev in batch])
                     else:
                         out = b"".join([fmt.chunk(ev.data) for ev in batch])

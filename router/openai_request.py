@@ -10,6 +10,7 @@ with an OpenAI-shaped 400, so nothing reaches a worker for a bad request.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import msgspec
@@ -19,34 +20,42 @@ from kv_transfer.aux_format import MAX_TOP_LOGPROBS
 from router.errors import ApiError, bad_request
 from router.fields import get_bool, get_float, get_int, get_stop, get_str, get_token_ids
 from router.model_info import ModelInfo
+from router.native_request import parse_generate
+from router.openai_types import ChatCompletionRequest, CompletionRequest, check_types
 from router.plan import GenerationPlan
 
 CHAT_ROLES = frozenset({"system", "developer", "user", "assistant"})
 SGLANG_EXTRAS = ("top_k", "min_p", "repetition_penalty", "ignore_eos", "stop_token_ids", "skip_special_tokens")
-GENERATE_KEYS = frozenset(
-    {"text", "input_ids", "sampling_params", "stream", "rid", "return_logprob", "top_logprobs_num", "priority"}
-)
 
 
 class RequestParser:
     """Stateless apart from the (read-only) model info; one per router."""
 
-    def __init__(self, model: ModelInfo, default_max_tokens_cap: int) -> None:
+    def __init__(self, model: ModelInfo, default_max_tokens_cap: int, incremental_default: bool = False) -> None:
         self.model = model
         self.cap = default_max_tokens_cap
+        self.incremental_default = incremental_default
 
     def completion(self, body: dict[str, Any]) -> GenerationPlan:
         model = self._model(body)
-        ids = self._prompt_ids(body.get("prompt"))
-        if get_bool(body, "echo"):
-            raise bad_request("'echo' is not supported", "echo")
+        prompt = body.get("prompt")
+        ids = self._prompt_ids(prompt)
+        echo = get_bool(body, "echo")
         if get_int(body, "best_of", 1, lo=1) != 1:
             raise bad_request("'best_of' > 1 is not supported", "best_of")
         if get_str(body, "suffix"):
             raise bad_request("'suffix' is not supported", "suffix")
         logprobs = get_int(body, "logprobs", None, lo=0, hi=MAX_TOP_LOGPROBS)
-        params = self._sampling(body, ids, get_int(body, "max_tokens", None, lo=1))
-        return self._plan("completion", model, ids, params, body, logprobs, "completion")
+        params = self._sampling(body, ids, get_int(body, "max_tokens", None, lo=0))
+        check_types(body, CompletionRequest)
+        plan = self._plan("completion", model, ids, params, body, logprobs, "completion")
+        if not echo:
+            return plan
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
+            prompt = prompt[0]
+        text = prompt if isinstance(prompt, str) else self.model.tokenizer.decode(ids)
+        # echo + logprobs: the prompt tokens' logprobs too, computed where the prompt is (prefill)
+        return dataclasses.replace(plan, echo_text=text, prompt_logprob_start=0 if logprobs is not None else -1)
 
     def chat(self, body: dict[str, Any]) -> GenerationPlan:
         model = self._model(body)
@@ -68,39 +77,11 @@ class RequestParser:
         elif top:
             raise bad_request("'top_logprobs' requires 'logprobs': true", "top_logprobs")
         params = self._sampling(body, ids, max_tokens)
+        check_types(body, ChatCompletionRequest)
         return self._plan("chat", model, ids, params, body, logprobs, "chat")
 
     def generate(self, body: dict[str, Any]) -> GenerationPlan:
-        unknown = sorted(set(body) - GENERATE_KEYS)
-        if unknown:
-            hint = " (set by the router)" if any(k.startswith("bootstrap_") for k in unknown) else ""
-            raise bad_request(f"unknown field(s) {', '.join(unknown)}{hint}", unknown[0])
-        has_text, has_ids = body.get("text") is not None, body.get("input_ids") is not None
-        if has_text == has_ids:
-            raise bad_request("exactly one of 'text' and 'input_ids' is required", "text")
-        if has_text:
-            text = get_str(body, "text")
-            assert text is not None
-            ids = self.model.encode(text)
-        else:
-            ids = get_token_ids(body["input_ids"], "input_ids", self.model.vocab_size)
-        self._check_prompt_len(ids, "input_ids" if has_ids else "text")
-        sp = body.get("sampling_params")
-        if sp is not None and not isinstance(sp, dict):
-            raise bad_request("'sampling_params' must be an object", "sampling_params")
-        params = self._validated(dict(sp or {}))
-        self._check_total_len(ids, params["max_new_tokens"], "sampling_params.max_new_tokens")
-        return_logprob = get_bool(body, "return_logprob")
-        top = get_int(body, "top_logprobs_num", 0, lo=0, hi=MAX_TOP_LOGPROBS) or 0
-        priority = get_int(body, "priority", None)
-        rid = get_str(body, "rid")
-        if rid is not None and not safe_rid(rid):
-            raise bad_request("'rid' must be 1-128 printable ASCII characters", "rid")
-        extra = {"priority": priority} if priority is not None else None
-        return GenerationPlan(
-            "generate", self.model.name, ids, params, get_bool(body, "stream"),
-            return_logprob=return_logprob, top_logprobs_num=top, extra=extra, client_rid=rid,
-        )
+        return parse_generate(self.model, body, incremental_default=self.incremental_default)
 
     # -- helpers -------------------------------------------------------------------------------
 
@@ -138,7 +119,7 @@ class RequestParser:
             if not isinstance(m, dict):
                 raise bad_request(f"{where} must be an object", where)
             role = m.get("role")
-            if role not in CHAT_ROLES:
+            if not isinstance(role, str) or role not in CHAT_ROLES:
                 raise bad_request(f"{where}.role must be one of {sorted(CHAT_ROLES)}, got {role!r}", f"{where}.role")
             out.append({"role": str(role), "content": _text_content(m.get("content"), f"{where}.content")})
         return out

@@ -13,6 +13,7 @@ from typing import Any
 import msgspec
 
 from router.model_info import ModelInfo
+from router.native_response import prompt_only
 from router.plan import GenerationPlan
 
 _ENC = msgspec.json.Encoder()
@@ -43,21 +44,29 @@ class ResponseFormatter:
     # -- non-streaming -------------------------------------------------------------------------
 
     def full(self, ev: dict[str, Any]) -> bytes:
+        if self.plan.prompt_only:
+            ev = prompt_only(ev)
         meta = self.meta = ev.get("meta_info") or {}
         text = ev.get("text") or ""
         ids = ev.get("output_ids") or []
         self.n_tokens = len(ids)
-        choice: dict[str, Any] = {"index": 0, "finish_reason": self._finish(meta), "logprobs": self._logprobs(ids, meta)}
+        echo = self._echo(meta)
+        logprobs = self._logprobs(ids, meta)
+        if echo is not None and logprobs is not None:
+            logprobs = _join_logprobs(echo[1], logprobs)
+        choice: dict[str, Any] = {"index": 0, "finish_reason": self._finish(meta), "logprobs": logprobs}
         if self.chat:
             choice["message"] = {"role": "assistant", "content": text}
         else:
-            choice["text"] = text
+            choice["text"] = text if echo is None else echo[0] + text
         return _ENC.encode({"id": self.id, "object": self.object, "created": self.created, "model": self.plan.model,
                             "choices": [choice], "usage": self.usage()})
 
     # -- streaming -----------------------------------------------------------------------------
 
     def chunk(self, ev: dict[str, Any]) -> bytes:
+        if self.plan.prompt_only:
+            ev = prompt_only(ev)
         meta = ev.get("meta_info") or {}
         if meta:
             self.meta = meta
@@ -65,9 +74,15 @@ class ResponseFormatter:
         ids = ev.get("output_ids") or []
         self.n_tokens += len(ids)
         finish = self._finish(meta)
+        echo = None if self._sent_role else self._echo(meta)
         if not text and not ids and finish is None and self._sent_role:
             return b""
-        choice: dict[str, Any] = {"index": 0, "finish_reason": finish, "logprobs": self._logprobs(ids, meta)}
+        logprobs = self._logprobs(ids, meta)
+        if echo is not None:
+            text = echo[0] + text
+            if logprobs is not None:
+                logprobs = _join_logprobs(echo[1], logprobs)
+        choice: dict[str, Any] = {"index": 0, "finish_reason": finish, "logprobs": logprobs}
         if self.chat:
             delta: dict[str, Any] = {"content": text}
             if not self._sent_role:
@@ -136,8 +151,37 @@ class ResponseFormatter:
         return {"tokens": tokens, "token_logprobs": [float(item[0]) for item in chosen],
                 "top_logprobs": top_out, "text_offset": offsets}
 
+    def _echo(self, meta: dict[str, Any]) -> tuple[str, dict[str, Any]] | None:
+        """echo: (the prompt text, the prompt tokens' completion-style logprobs); first token: null."""
+        if self.plan.echo_text is None:
+            return None
+        tok = self.model.token_text
+        entries = meta.get("input_token_logprobs") or []
+        tops = meta.get("input_top_logprobs") or []
+        tokens = [tok(int(e[1])) for e in entries] or [tok(t) for t in self.plan.input_ids]
+        offsets = []
+        for t in tokens:
+            offsets.append(self.text_offset)
+            self.text_offset += len(t)
+        top_out: list[dict[str, float] | None] | None = None
+        if self.plan.top_logprobs_num:
+            top_out = [{tok(int(x[1])): float(x[0]) for x in pos} if pos else None for pos in tops]
+        logprobs = {"tokens": tokens, "token_logprobs": [None if e[0] is None else float(e[0]) for e in entries],
+                    "top_logprobs": top_out, "text_offset": offsets}
+        return self.plan.echo_text, logprobs
+
     def _new_tail(self, items: list[Any], n_delta: int) -> list[Any]:
         """Delta list (len == n_delta) or cumulative (len == tokens so far): return the new part."""
         if len(items) > n_delta and len(items) >= self.n_logprobs + n_delta:
             return items[self.n_logprobs:self.n_logprobs + n_delta]
         return items
+
+
+def _join_logprobs(prompt: dict[str, Any], output: dict[str, Any]) -> dict[str, Any]:
+    """Completion logprobs of the echoed prompt followed by those of the new tokens."""
+    tops = None
+    if prompt["top_logprobs"] is not None or output["top_logprobs"] is not None:
+        tops = (prompt["top_logprobs"] or [None] * len(prompt["tokens"])) + (output["top_logprobs"] or [])
+    return {"tokens": prompt["tokens"] + output["tokens"],
+            "token_logprobs": prompt["token_logprobs"] + output["token_logprobs"],
+            "top_logprobs": tops, "text_offset": prompt["text_offset"] + output["text_offset"]}

@@ -107,6 +107,7 @@ class Attempt:
         self._d_resp: Response | None = None
         self._first_task: asyncio.Future[WorkerEvent] | None = None
         self.prefill_error: UpstreamError | None = None
+        self.prefill_meta: dict[str, Any] = {}
         self.decode_started = False
 
     @property
@@ -133,6 +134,8 @@ class Attempt:
         except StopAsyncIteration:
             raise UpstreamError(502, f"{self.decode.url}: empty response stream", type="bad_upstream_response",
                                 worker_url=self.decode.url) from None
+        if self._p_task is not None and self.plan.prompt_logprob_start >= 0:
+            first = await self._with_prompt_logprobs(first)
         self.decode_started = True
         self.decode.note_progress()
         yield first
@@ -141,14 +144,25 @@ class Attempt:
             yield ev
         self.d_guard.finish(True)
 
+    async def _with_prompt_logprobs(self, first: WorkerEvent) -> WorkerEvent:
+        """Prompt logprobs are computed by the prefill instance: wait for its answer and put them
+        into decode's first event (decode answers only for the tokens it produced)."""
+        assert self._p_task is not None
+        await self._p_task
+        extra = {k: v for k, v in self.prefill_meta.items() if k in ("input_token_logprobs", "input_top_logprobs")}
+        if not extra:
+            return first
+        data = {**first.data, "meta_info": {**(first.data.get("meta_info") or {}), **extra}}
+        return WorkerEvent(msgspec.json.encode(data), data)
+
     async def _decode_events(self) -> AsyncIterator[WorkerEvent]:
         d = self.decode
-        body = self.plan.worker_body(self.rid, self._boot, stream=self.plan.stream)
+        body = self.plan.worker_body(self.rid, self._boot, stream=self.plan.worker_stream)
         try:
             resp = self._d_resp = await self.client.post(d.url, "/generate", body, self.headers)
             if resp.status != 200:
                 raise UpstreamError.from_body(resp.status, await resp.read(), d.url)
-            if not self.plan.stream:
+            if not self.plan.worker_stream:
                 raw = await resp.read()
                 yield WorkerEvent(raw, _check_event(_decode(raw, d), raw, d))
                 return
@@ -183,7 +197,7 @@ class Attempt:
                     await resp.aclose()
             if resp.status != 200:
                 raise UpstreamError.from_body(resp.status, raw, p.url)
-            _check_event(_decode(raw, p), raw, p)
+            self.prefill_meta = _check_event(_decode(raw, p), raw, p).get("meta_info") or {}
             p.note_progress()
         except UpstreamError as e:
             self.prefill_error = e

@@ -27,6 +27,7 @@ TESTS = Path(__file__).resolve().parent
 # Files whose tests start processes; everything else outside tests/reliability is `unit`.
 PROC_PATHS = (
     "bench/test_serving_bench.py",
+    "compat/",
     "kv_transfer/test_bench_quick.py",
     "kv_transfer/test_kill.py",
     "kv_transfer/test_many_rooms.py",

@@ -26,6 +26,8 @@ from common.model.forward_batch import ForwardMode
 from common.sampling_params import SamplingParams
 from common.scheduler.kv_manager import SlotWrite
 
+PromptLogprobs = tuple[list[float], list[list[tuple[int, float]]] | None]
+
 
 @dataclass(frozen=True)
 class SamplingRow:
@@ -38,6 +40,10 @@ class SamplingRow:
     # to these prompt/output tokens before sampling.
     reset_prompt: list[int] | None = None
     reset_outputs: list[int] | None = None
+    # Prompt logprobs (only requests that ask): the logits at step positions offset, offset+1, ...
+    # score these prompt token ids (the worker then computes every position's logits for the step).
+    prompt_logprob_offset: int = 0
+    prompt_logprob_targets: list[int] | None = None
 
 
 @dataclass
@@ -57,6 +63,14 @@ class WorkerBatch:
     slot_writes: list[SlotWrite] = field(default_factory=list)
     step_id: int = 0
 
+    def extend_lens_cumsum(self) -> list[int]:
+        """End (exclusive) of each request's tokens in input_ids."""
+        ends, total = [], 0
+        for seq_len, prefix_len in zip(self.seq_lens, self.prefix_lens, strict=True):
+            total += seq_len - prefix_len
+            ends.append(total)
+        return ends
+
 
 @dataclass
 class StepResult:
@@ -64,6 +78,8 @@ class StepResult:
     logprobs: list[float] | None = None
     top_logprobs: list[list[tuple[int, float]]] | None = None
     forward_seconds: float = 0.0
+    # per request of the step: (logprob of each target, top logprobs per target or None), or None
+    prompt_logprobs: list[PromptLogprobs | None] | None = None
 
 
 class ModelWorker(Protocol):

@@ -40,3 +40,6 @@ class TokenOut(msgspec.Struct, frozen=True, array_like=True):
     cached_tokens: int
     new_token_logprobs: list[float] | None = None
     new_top_logprobs: list[list[tuple[int, float]]] | None = None
+    # prompt logprobs (requests with logprob_start_len >= 0), once, with the first TokenOut after them
+    input_logprobs: list[float | None] | None = None
+    input_top_logprobs: list[list[tuple[int, float]]] | None = None

@@ -15,7 +15,7 @@ from common.model.forward_batch import ForwardBatch
 from common.model.model_runner import ModelRunner
 from common.model.sampler import Sampler, SamplingBatchInfo
 from common.scheduler import step_fault
-from common.scheduler.executor import StepResult, WorkerBatch
+from common.scheduler.executor import PromptLogprobs, StepResult, WorkerBatch
 
 
 class TorchModelWorker:
@@ -65,7 +65,15 @@ class TorchModelWorker:
         for s in batch.sampling:
             if s.reset_prompt is not None:
                 self.sampler.reset_row(s.row, s.reset_prompt, s.reset_outputs or [])
-        logits = self.runner.forward(fb)
+        prompt_logprobs = None
+        if any(s.prompt_logprob_targets for s in batch.sampling):
+            # Only steps with a request asking for prompt logprobs pay for every position's hidden state.
+            hidden = self.runner.forward_hidden(fb, all_tokens=True)
+            prompt_logprobs = self._prompt_logprobs(hidden, batch)
+            ends = torch.tensor(batch.extend_lens_cumsum(), device=self.device) - 1
+            logits = self.runner.compute_logits(hidden[ends])
+        else:
+            logits = self.runner.forward(fb)
         # Only requests whose token is kept are sampled: a non-final prompt chunk must not
         # advance its row's seed step or penalty counts.
         keep = [i for i, s in enumerate(batch.samples) if s] if batch.samples else list(range(len(batch.sampling)))
@@ -102,4 +110,24 @@ class TorchModelWorker:
             logprobs=logprobs,
             top_logprobs=top,
             forward_seconds=time.perf_counter() - start,
+            prompt_logprobs=prompt_logprobs,
         )
+
+    def _prompt_logprobs(self, hidden: torch.Tensor, batch: WorkerBatch) -> list[PromptLogprobs | None]:
+        """log_softmax of the raw logits at each requested prompt position, gathered at its target."""
+        out: list[PromptLogprobs | None] = [None] * len(batch.sampling)
+        begin = 0
+        for i, (s, end) in enumerate(zip(batch.sampling, batch.extend_lens_cumsum(), strict=True)):
+            targets = s.prompt_logprob_targets
+            if targets:
+                at = begin + s.prompt_logprob_offset
+                logprobs = torch.log_softmax(self.runner.compute_logits(hidden[at : at + len(targets)]), dim=-1)
+                ids = torch.tensor(targets, dtype=torch.int64, device=self.device)
+                chosen = logprobs.gather(1, ids[:, None]).squeeze(1).tolist()
+                top = None
+                if s.top_logprobs_num:
+                    values, top_ids = logprobs.topk(s.top_logprobs_num, dim=-1)
+                    top = [list(zip(t, v, strict=True)) for t, v in zip(top_ids.tolist(), values.tolist(), strict=True)]
+                out[i] = (chosen, top)
+            begin = end
+        return out

@@ -47,6 +47,7 @@ class Req:
     priority: int = 0
     eos_token_ids: frozenset[int] = frozenset()
     bootstrap: BootstrapInfo | None = None  # PD: the prefill peer and room of this request's KV
+    logprob_start_len: int = -1  # >= 0: report logprobs of prompt tokens [logprob_start_len, prompt_len)
     arrival_time: float = field(default_factory=time.monotonic)
 
     state: ReqState = ReqState.WAITING
@@ -54,6 +55,11 @@ class Req:
     output_logprobs: list[float] = field(default_factory=list)
     output_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     finish_reason: FinishReason | None = None
+    # prompt logprobs (logprob_start_len >= 0): entry j is that of prompt token logprob_start_len + j
+    # (None for token 0, which has no context); filled chunk by chunk, sent once with the first TokenOut
+    input_logprobs: list[float | None] = field(default_factory=list)
+    input_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    input_logprobs_sent: bool = False
 
     # KV memory
     req_pool_idx: int | None = None
@@ -88,6 +94,26 @@ class Req:
     @property
     def remaining_new_tokens(self) -> int:
         return max(0, self.sampling_params.max_new_tokens - self.num_output_scheduled)
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        """Prompt logprobs still to compute (a retracted request re-prefills without them)."""
+        return self.logprob_start_len >= 0 and self.num_prompt_logprobs_done < len(self.origin_input_ids) - max(
+            self.logprob_start_len, 1)
+
+    @property
+    def num_prompt_logprobs_done(self) -> int:
+        """Computed prompt logprobs, not counting the None of token 0."""
+        return len(self.input_logprobs) - (1 if self.logprob_start_len == 0 else 0)
+
+    def prompt_logprob_targets(self, start: int, n: int) -> tuple[int, list[int]]:
+        """For a step computing tokens [start, start + n): (index in the step of the first position
+        whose logits score a reported prompt token, the ids of those tokens, in order)."""
+        first = max(start + 1, self.logprob_start_len, 1)  # first prompt token scored by this step
+        last = min(start + n, len(self.origin_input_ids) - 1)
+        if first > last:
+            return 0, []
+        return first - 1 - start, self.origin_input_ids[first : last + 1]
 
     @property
     def finished(self) -> bool:

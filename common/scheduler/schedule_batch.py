@@ -67,6 +67,7 @@ class BatchBuilder:
             assert req.req_pool_idx is not None
             reset = req.needs_sampler_reset
             req.needs_sampler_reset = False
+            lp_offset, lp_targets = req.prompt_logprob_targets(start, n) if req.wants_prompt_logprobs else (0, [])
             sampling.append(
                 SamplingRow(
                     params=req.sampling_params,
@@ -76,6 +77,8 @@ class BatchBuilder:
                     top_logprobs_num=req.top_logprobs_num,
                     reset_prompt=list(req.origin_input_ids) if reset else None,
                     reset_outputs=list(req.output_ids) if reset else None,
+                    prompt_logprob_offset=lp_offset,
+                    prompt_logprob_targets=lp_targets or None,
                 )
             )
             if samples:

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 from common.model.forward_batch import ForwardMode
 from common.scheduler.config import SchedulerConfig
-from common.scheduler.executor import Executor, FutureIndexAllocator, StepHandle, StepResult
+from common.scheduler.executor import Executor, FutureIndexAllocator, PromptLogprobs, StepHandle, StepResult
 from common.scheduler.kv_manager import ReqKVManager
 from common.scheduler.messages import FinishReason, TokenOut
 from common.scheduler.new_token_ratio import NewTokenRatioTracker
@@ -205,7 +205,7 @@ class Scheduler:
         if adder.new_chunked is None:
             ordered = self.policy.order(self.waiting, self._prefix_len)
             for req in ordered:
-                slots, node = self.kv.match_prefix(req.fill_ids)
+                slots, node = self.kv.match_prefix(_match_key(req))
                 if adder.add_one(req, slots, node) is not AddResult.CONTINUE:
                     break
         if not adder.can_run:
@@ -363,10 +363,16 @@ class Scheduler:
                 req.num_pending -= 1
             if req.finished:
                 continue
+            prompt_logprobs = result.prompt_logprobs[i] if result.prompt_logprobs is not None else None
+            if prompt_logprobs is not None:
+                _add_prompt_logprobs(req, prompt_logprobs)
             if not samples:
                 self.on_chunk_computed(req, batch.worker_batch.seq_lens[i])
                 continue
             token = result.next_token_ids[i]
+            if req.sampling_params.max_new_tokens == 0:  # prompt only (e.g. prompt logprobs): no token
+                self._finish(req, FinishReason("length"))
+                continue
             req.output_ids.append(token)
             if req.return_logprob and result.logprobs is not None:
                 req.output_logprobs.append(result.logprobs[i])
@@ -402,6 +408,11 @@ class Scheduler:
         lp = req.output_logprobs[req.sent_len :] if req.return_logprob else None
         top = req.output_top_logprobs[req.sent_len :] if req.top_logprobs_num else None
         req.sent_len = len(req.output_ids)
+        prompt_lp = prompt_top = None
+        if req.logprob_start_len >= 0 and not req.input_logprobs_sent and not req.wants_prompt_logprobs:
+            req.input_logprobs_sent = True
+            prompt_lp = req.input_logprobs
+            prompt_top = req.input_top_logprobs if req.top_logprobs_num else None
         self._outbox.append(
             TokenOut(
                 rid=req.rid,
@@ -412,6 +423,8 @@ class Scheduler:
                 cached_tokens=req.cached_tokens,
                 new_token_logprobs=lp,
                 new_top_logprobs=top,
+                input_logprobs=prompt_lp,
+                input_top_logprobs=prompt_top,
             )
         )
 
@@ -443,3 +456,22 @@ class Scheduler:
         }
         s.update(self.kv.stats())
         return s
+
+
+def _match_key(req: Req) -> list[int]:
+    """The tokens a request may reuse from the prefix cache: all but the last, or for prompt
+    logprobs only those before the first position whose logits are needed."""
+    if req.wants_prompt_logprobs:
+        return req.fill_ids[: max(req.logprob_start_len, 1)]
+    return req.fill_ids
+
+
+def _add_prompt_logprobs(req: Req, item: PromptLogprobs) -> None:
+    logprobs, tops = item
+    if req.logprob_start_len == 0 and not req.input_logprobs:
+        req.input_logprobs.append(None)  # token 0 has no context
+        if req.top_logprobs_num:
+            req.input_top_logprobs.append([])
+    req.input_logprobs.extend(logprobs)
+    if tops is not None and req.top_logprobs_num:
+        req.input_top_logprobs.extend(tops)

@@ -69,7 +69,8 @@ class StopCheck(NamedTuple):
 class StopStringMatcher:
     """Text in, client-safe text out; trims at the first (leftmost) stop string."""
 
-    def __init__(self, stops: list[str]) -> None:
+    def __init__(self, stops: list[str], *, keep_stop: bool = False) -> None:
+        self._keep_stop = keep_stop  # SGLang's no_stop_trim: the matched stop string stays in the text
         self._stops = [s for s in stops if s]
         self._max_len = max((len(s) for s in self._stops), default=0)
         self._text = ""
@@ -89,7 +90,7 @@ class StopStringMatcher:
         hit = self._find(search_from)
         if hit is not None:
             pos, stop = hit
-            self._text = self._text[:pos]
+            self._text = self._text[: pos + (len(stop) if self._keep_stop else 0)]
             self.matched = stop
             return StopCheck(self._take(len(self._text)), stop)
         if final:
@@ -129,10 +130,11 @@ class RequestDetokenizer:
     """Ids -> client text for one request: incremental decode, then stop strings."""
 
     def __init__(
-        self, tokenizer: Any, prompt_ids: list[int], *, stops: list[str], skip_special_tokens: bool
+        self, tokenizer: Any, prompt_ids: list[int], *, stops: list[str], skip_special_tokens: bool,
+        keep_stop: bool = False,
     ) -> None:
         self._detok = IncrementalDetokenizer(tokenizer, prompt_ids, skip_special_tokens=skip_special_tokens)
-        self._stops = StopStringMatcher(stops)
+        self._stops = StopStringMatcher(stops, keep_stop=keep_stop)
 
     @property
     def text(self) -> str:

@@ -73,6 +73,8 @@ class EngineLoop:
             priority=msg.priority,
             eos_token_ids=self.eos_token_ids,
             bootstrap=msg.bootstrap if self.role.needs_bootstrap else None,
+            # decode never runs the prompt: prompt logprobs come from the prefill instance
+            logprob_start_len=msg.logprob_start_len if self.role.name != "decode" or msg.bootstrap is None else -1,
         )
 
     def stats(self) -> dict[str, float]:

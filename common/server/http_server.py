@@ -30,15 +30,19 @@ from fastapi.responses import Response, StreamingResponse
 from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from common.sampling_request import SamplingParamsRequest
+from common.server.generate_response import AbortResponse, ErrorResponse, GenerateResponse, HealthResponse
+from common.server.openapi import ApiRoute, mount_openapi, openapi_document
 from common.server.protocol import (
     MAX_BODY_BYTES,
+    AbortRequestBody,
     ApiError,
     GenerateRequestBody,
     decode_abort_body,
     decode_generate_body,
     error_body,
 )
-from common.server.req_state import ReqState
+from common.server.req_state import CumulativeStream, ReqState
 from common.server.tokenizer_manager import TokenizerManager
 from common.timeouts import wait_within
 
@@ -157,11 +161,24 @@ def create_app(manager: TokenizerManager, server_info: dict[str, Any]) -> FastAP
             raise ApiError(404, f"no request with rid {rid!r} is in flight")
         return _json(200, {"rid": rid, "aborted": True})
 
+    mount_openapi(app, openapi_document("pdserve instance", INSTANCE_ROUTES))
     return app
 
 
+INSTANCE_ROUTES = [
+    ApiRoute("POST", "/generate", "SGLang-native generation (docs/generate_api.md)", GenerateRequestBody,
+             {"200": GenerateResponse}, streams=True),
+    ApiRoute("GET", "/health", "liveness from the engine's step clock", None, {"200": HealthResponse}),
+    ApiRoute("GET", "/health_generate", "deep check through the engine", None, {"200": HealthResponse}),
+    ApiRoute("GET", "/server_info", "what the engine built", None, {"200": dict[str, Any]}, errors=False),
+    ApiRoute("GET", "/metrics", "Prometheus text", None, {"200": None}, media_type="text/plain", errors=False),
+    ApiRoute("POST", "/abort_request", "abort an in-flight request", AbortRequestBody,
+             {"200": AbortResponse, "404": ErrorResponse}),
+]
+
+
 async def _one_token_generate(manager: TokenizerManager, timeout_s: float) -> None:
-    body = GenerateRequestBody(input_ids=[0], sampling_params={"max_new_tokens": 1, "temperature": 0.0})
+    body = GenerateRequestBody(input_ids=[0], sampling_params=SamplingParamsRequest(max_new_tokens=1, temperature=0.0))
     state = await manager.start(body, "health_generate-" + uuid.uuid4().hex)
     try:
         await wait_within(manager.collect(state), timeout_s)
@@ -173,9 +190,10 @@ async def _one_token_generate(manager: TokenizerManager, timeout_s: float) -> No
 
 async def _sse_events(manager: TokenizerManager, state: ReqState) -> AsyncIterator[bytes]:
     status = 200
+    cumulative = None if state.incremental else CumulativeStream()
     try:
         async for chunk in manager.stream(state):
-            yield _sse(chunk.to_json())
+            yield _sse((chunk if cumulative is None else cumulative.add(chunk)).to_json())
     except ApiError as e:
         status = e.status
         yield _sse(e.body())

@@ -20,6 +20,7 @@ import msgspec
 
 from common.model.context_length import ContextLengthError, read_config_json, resolve_context_length
 from common.sampling_params import SamplingParams
+from common.sampling_request import parse_sampling_params
 from common.server.io_struct import BootstrapInfo, GenerateReq
 from common.server.protocol import MAX_BOOTSTRAP_ROOM, GenerateRequestBody, bad_request
 from common.server.server_args import ServerArgs
@@ -66,29 +67,34 @@ class InputProcessor:
         if not rid or len(rid) > MAX_RID_LEN:
             raise bad_request(f"rid must be 1..{MAX_RID_LEN} characters")
         try:
-            params = SamplingParams.from_dict(body.sampling_params)
+            params = parse_sampling_params(body.sampling_params)
             params.validate(self.info.vocab_size)
         except ValueError as e:
             raise bad_request(str(e)) from None
         input_ids = self._prompt_ids(body)
         params = self._fit_context(len(input_ids), params)
-        if not 0 <= body.top_logprobs_num <= MAX_TOP_LOGPROBS:
-            raise bad_request(
-                f"top_logprobs_num must be in [0, {MAX_TOP_LOGPROBS}], got {body.top_logprobs_num}"
-            )
-        if body.top_logprobs_num and not body.return_logprob:
+        if self._pd_mode and params.max_new_tokens == 0:
+            raise bad_request("sampling_params.max_new_tokens=0 is not served by a PD instance (the router serves it)")
+        top = body.num_top_logprobs
+        if not 0 <= top <= MAX_TOP_LOGPROBS:
+            raise bad_request(f"top_logprobs_num must be in [0, {MAX_TOP_LOGPROBS}], got {top}")
+        if top and not body.return_logprob:
             raise bad_request("top_logprobs_num needs return_logprob=true")
-        if not -(2**31) <= body.priority < 2**31:
+        start = body.prompt_logprob_start
+        if not -1 <= start < len(input_ids):
+            raise bad_request(f"logprob_start_len must be -1 or in [0, {len(input_ids)}) (the prompt's tokens), got {start}")
+        if not -(2**31) <= body.priority_value < 2**31:
             raise bad_request(f"priority must fit in 32 bits, got {body.priority}")
         return GenerateReq(
             rid=rid,
             input_ids=input_ids,
             sampling_params=params,
             stream=body.stream,
-            return_logprob=body.return_logprob,
-            top_logprobs_num=body.top_logprobs_num,
+            return_logprob=body.wants_logprob,
+            top_logprobs_num=top,
             bootstrap=self._bootstrap(body),
-            priority=body.priority,
+            priority=body.priority_value,
+            logprob_start_len=start,
         )
 
     def _prompt_ids(self, body: GenerateRequestBody) -> list[int]:

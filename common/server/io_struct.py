@@ -28,6 +28,7 @@ class GenerateReq(msgspec.Struct, frozen=True, array_like=True, tag="gen"):
     top_logprobs_num: int = 0
     bootstrap: BootstrapInfo | None = None
     priority: int = 0
+    logprob_start_len: int = -1  # >= 0: also the logprobs of prompt tokens from this position on
 
 
 class AbortReq(msgspec.Struct, frozen=True, array_like=True, tag="abort"):

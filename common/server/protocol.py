@@ -1,7 +1,7 @@
 """HTTP-side records of the native /generate contract (docs/generate_api.md).
 
-GenerateRequestBody is what a client may send (unknown fields are rejected by
-msgspec); ApiError is the one exception type the HTTP layer turns into the
+GenerateRequestBody (common/server/generate_request.py) is what a client may send (unknown
+fields are rejected by msgspec); ApiError is the one exception type the HTTP layer turns into the
 error shape {"error": {"message", "type", "code"}}.
 """
 
@@ -11,22 +11,12 @@ from typing import Any
 
 import msgspec
 
+from common.server.generate_request import GenerateRequestBody
+
+__all__ = ["GenerateRequestBody", "AbortRequestBody", "ApiError", "decode_generate_body", "decode_abort_body"]
+
 MAX_BODY_BYTES = 8 * 1024 * 1024
 MAX_BOOTSTRAP_ROOM = 2**63 - 1
-
-
-class GenerateRequestBody(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
-    text: str | None = None
-    input_ids: list[int] | None = None
-    sampling_params: dict[str, Any] | None = None
-    stream: bool = False
-    rid: str | None = None
-    return_logprob: bool = False
-    top_logprobs_num: int = 0
-    bootstrap_host: str | None = None
-    bootstrap_port: int | None = None
-    bootstrap_room: int | None = None
-    priority: int = 0
 
 
 class AbortRequestBody(msgspec.Struct, forbid_unknown_fields=True):
@@ -67,13 +57,21 @@ def bad_request(message: str) -> ApiError:
 def decode_generate_body(raw: bytes) -> GenerateRequestBody:
     """Bytes -> typed body, or ApiError(400) naming what is wrong and where."""
     try:
-        return msgspec.json.decode(raw, type=GenerateRequestBody)
+        body = msgspec.json.decode(raw, type=GenerateRequestBody)
     except UnicodeDecodeError as e:
         raise bad_request(f"request body is not valid UTF-8: {e.reason} at byte {e.start}") from None
     except msgspec.ValidationError as e:
-        raise bad_request(f"invalid request: {e}") from None
+        text = str(e)
+        if text.startswith("Object contains unknown field") and text.endswith("at `$.sampling_params`"):
+            raise bad_request("unknown sampling parameter(s): " + text.split("`", 2)[1]) from None
+        raise bad_request(f"invalid request: {text}") from None
     except msgspec.DecodeError as e:
         raise bad_request(f"request body is not valid JSON: {e}") from None
+    try:
+        body.check_supported()
+    except ValueError as e:
+        raise bad_request(str(e)) from None
+    return body
 
 
 def decode_abort_body(raw: bytes) -> AbortRequestBody:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,8 +30,11 @@ class Chunk:
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int
-    token_logprobs: list[list[float | int]] | None = None
-    top_logprobs: list[list[list[float | int]]] | None = None
+    token_logprobs: list[list[Any]] | None = None
+    top_logprobs: list[list[list[Any]]] | None = None
+    # prompt logprobs, in the chunk that carries them (SGLang: [logprob | None, token id(, text)])
+    input_token_logprobs: list[list[Any]] | None = None
+    input_top_logprobs: list[list[list[Any]] | None] | None = None
 
     def to_json(self) -> dict[str, Any]:
         meta: dict[str, Any] = {
@@ -44,6 +48,10 @@ class Chunk:
             meta["output_token_logprobs"] = self.token_logprobs
         if self.top_logprobs is not None:
             meta["output_top_logprobs"] = self.top_logprobs
+        if self.input_token_logprobs is not None:
+            meta["input_token_logprobs"] = self.input_token_logprobs
+        if self.input_top_logprobs is not None:
+            meta["input_top_logprobs"] = self.input_top_logprobs
         return {"text": self.text, "output_ids": self.output_ids, "meta_info": meta}
 
 
@@ -64,7 +72,41 @@ def merge_chunks(chunks: list[Chunk]) -> Chunk:
         merged.token_logprobs = [x for c in chunks for x in (c.token_logprobs or [])]
     if any(c.top_logprobs is not None for c in chunks):
         merged.top_logprobs = [x for c in chunks for x in (c.top_logprobs or [])]
+    for c in chunks:
+        if c.input_token_logprobs is not None:
+            merged.input_token_logprobs = c.input_token_logprobs
+            merged.input_top_logprobs = c.input_top_logprobs
     return merged
+
+
+class CumulativeStream:
+    """SGLang's default stream: each event carries the text, ids and logprobs so far."""
+
+    def __init__(self) -> None:
+        self._text: list[str] = []
+        self._ids: list[int] = []
+        self._lps: list[list[Any]] | None = None
+        self._tops: list[list[list[Any]]] | None = None
+        self._input: Chunk | None = None
+
+    def add(self, chunk: Chunk) -> Chunk:
+        self._text.append(chunk.text)
+        self._ids.extend(chunk.output_ids)
+        if chunk.token_logprobs is not None:
+            self._lps = (self._lps or []) + chunk.token_logprobs
+        if chunk.top_logprobs is not None:
+            self._tops = (self._tops or []) + chunk.top_logprobs
+        if chunk.input_token_logprobs is not None:
+            self._input = chunk
+        out = Chunk(
+            rid=chunk.rid, text="".join(self._text), output_ids=list(self._ids), finish_reason=chunk.finish_reason,
+            prompt_tokens=chunk.prompt_tokens, completion_tokens=chunk.completion_tokens,
+            cached_tokens=chunk.cached_tokens, token_logprobs=self._lps, top_logprobs=self._tops,
+        )
+        if self._input is not None:
+            out.input_token_logprobs = self._input.input_token_logprobs
+            out.input_top_logprobs = self._input.input_top_logprobs
+        return out
 
 
 def finish_reason_json(reason: FinishReason) -> dict[str, Any]:
@@ -83,6 +125,8 @@ QueueItem = TokenOut | ApiError
 class ReqState:
     req: GenerateReq
     detok: RequestDetokenizer | None  # None on a prefill instance: its response is meta only
+    incremental: bool = False  # stream deltas (else SGLang's cumulative events)
+    token_text: Callable[[int], str] | None = None  # return_text_in_logprobs: token id -> its text
     queue: asyncio.Queue[QueueItem] = field(default_factory=asyncio.Queue)
     created_at: float = field(default_factory=time.monotonic)
     last_token_at: float | None = None
@@ -126,9 +170,21 @@ class ReqState:
             cached_tokens=out.cached_tokens,
         )
         if self.req.return_logprob and self.detok is not None:
-            chunk.token_logprobs = [[lp, t] for lp, t in zip(out.new_token_logprobs or [], ids, strict=False)]
+            chunk.token_logprobs = [self._entry(lp, t) for lp, t in zip(out.new_token_logprobs or [], ids, strict=False)]
             if self.req.top_logprobs_num:
                 chunk.top_logprobs = [
-                    [[lp, t] for t, lp in position] for position in (out.new_top_logprobs or [])
+                    [self._entry(lp, t) for t, lp in position] for position in (out.new_top_logprobs or [])
+                ]
+        if out.input_logprobs is not None:
+            prompt = self.req.input_ids[self.req.logprob_start_len :]
+            chunk.input_token_logprobs = [self._entry(lp, t) for lp, t in zip(out.input_logprobs, prompt, strict=False)]
+            if out.input_top_logprobs is not None:
+                chunk.input_top_logprobs = [
+                    [self._entry(lp, t) for t, lp in position] if position else None for position in out.input_top_logprobs
                 ]
         return chunk
+
+    def _entry(self, logprob: float | None, token: int) -> list[Any]:
+        if self.token_text is None:
+            return [logprob, token]
+        return [logprob, token, self.token_text(token)]

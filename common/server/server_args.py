@@ -43,6 +43,7 @@ class ServerArgs:
     host: str = "127.0.0.1"
     port: int = 30000
     request_timeout: float | None = None
+    incremental_streaming_output: bool = False
     # Memory and scheduling
     page_size: int = SchedulerConfig.page_size
     chunked_prefill_size: int = SchedulerConfig.chunked_prefill_size
@@ -214,6 +215,8 @@ class ServerArgs:
 
 
 _HELP: dict[str, str] = {
+    "incremental_streaming_output": "/generate streams deltas of text and output_ids (default, as SGLang: "
+    "each event carries everything so far); a request's `incremental_stream` overrides it",
     "model_path": "HF checkpoint directory (default: the project's default real model)",
     "served_model_name": "model name reported to clients (default: the model path)",
     "tokenizer_path": "tokenizer directory (default: the model path)",

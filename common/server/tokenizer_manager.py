@@ -108,8 +108,16 @@ class TokenizerManager:
                 req.input_ids,
                 stops=params.stop,
                 skip_special_tokens=params.skip_special_tokens,
+                keep_stop=params.no_stop_trim,
             )
-        state = ReqState(req=req, detok=detok)
+        incremental = self.args.incremental_streaming_output
+        if body.incremental_stream is not None:
+            incremental = body.incremental_stream
+        token_text = None
+        if body.return_text_in_logprobs:
+            tokenizer = self.processor.tokenizer
+            token_text = lambda t: tokenizer.decode([t])  # noqa: E731
+        state = ReqState(req=req, detok=detok, incremental=incremental, token_text=token_text)
         self._states[rid] = state
         self.metrics.in_flight.inc()
         try:

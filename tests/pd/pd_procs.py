@@ -33,7 +33,8 @@ class RoleProcess:
         self.bootstrap_port = free_port() if module == "prefill_server" else None
         self._log = tempfile.NamedTemporaryFile(prefix=f"pd_{module}_", suffix=".log", delete=False)
         argv = [sys.executable, "-m", module, "--model-path", str(model_dir), "--port", str(self.port),
-                "--device", "cpu", "--log-level", os.environ.get("PDSERVE_TEST_LOG_LEVEL", "warning"), *extra]
+                "--device", "cpu", "--log-level", os.environ.get("PDSERVE_TEST_LOG_LEVEL", "warning"),
+                "--incremental-streaming-output", *extra]  # these tests read delta streams (the default is cumulative)
         if self.bootstrap_port is not None:
             argv += ["--disaggregation-bootstrap-port", str(self.bootstrap_port)]
         self.proc = subprocess.Popen(argv, cwd=REPO_ROOT, env={**os.environ, "PYTHONPATH": str(REPO_ROOT)},

@@ -174,7 +174,7 @@ class RouterOutcome:
 async def router_stream(client: httpx.AsyncClient, url: str, prompt: list[int], max_new: int) -> RouterOutcome:
     """One streaming native /generate through the router; errors (HTTP or in-band) are recorded."""
     out = RouterOutcome(prompt, max_new)
-    body = {"input_ids": prompt, "stream": True,
+    body = {"input_ids": prompt, "stream": True, "incremental_stream": True,
             "sampling_params": {"max_new_tokens": max_new, "temperature": 0, "ignore_eos": True}}
     try:
         async with client.stream("POST", url + "/generate", json=body) as r:

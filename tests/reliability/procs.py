@@ -54,7 +54,8 @@ class Instance:
         assert self.proc is None or self.proc.poll() is not None, f"{self.name} is still running"
         argv = [sys.executable, "-m", f"{self.role}_server", "--model-path", str(self.model_dir),
                 "--port", str(self.port), "--device", "cpu", "--dtype", "float32",
-                "--log-level", os.environ.get("PDSERVE_TEST_LOG_LEVEL", "warning"), *self.flags]
+                "--log-level", os.environ.get("PDSERVE_TEST_LOG_LEVEL", "warning"),
+                "--incremental-streaming-output", *self.flags]  # delta streams (the default is cumulative)
         if self.bootstrap_port is not None:
             argv += ["--disaggregation-bootstrap-port", str(self.bootstrap_port)]
         self._log.write(f"\n==== start #{self.restarts} ====\n".encode())

@@ -43,7 +43,7 @@ def make_plans(seed: int) -> list[Plan]:
         prompt = [rng.randrange(3, VOCAB) for _ in range(rng.randrange(4, 60))]
         route = ("/generate", "/v1/completions", "/v1/chat/completions")[i % 3]
         if route == "/generate":
-            body: dict[str, Any] = {"input_ids": prompt, "stream": True, "sampling_params": {
+            body: dict[str, Any] = {"input_ids": prompt, "stream": True, "incremental_stream": True, "sampling_params": {
                 "max_new_tokens": MAX_NEW, "temperature": 0, "ignore_eos": True}}
         elif route == "/v1/completions":
             body = {"prompt": prompt, "stream": True, "max_tokens": MAX_NEW, "temperature": 0, "ignore_eos": True}

@@ -124,15 +124,22 @@ def test_generate_passthrough(pd: tuple[RouterProc, StubWorker, StubWorker]) -> 
     out = httpx.post(r.url + "/generate", json=body).json()
     assert out["output_ids"] == [token_at([1, 2, 3], i) for i in range(3)]
     assert out["meta_info"]["id"] == "native-1" and out["meta_info"]["finish_reason"]["type"] == "length"
-    events = []
-    with httpx.stream("POST", r.url + "/generate", json={**body, "stream": True, "rid": "native-2"}) as resp:
-        assert resp.headers["content-type"].startswith("text/event-stream")
-        for line in resp.iter_lines():
-            if line.startswith("data: "):
-                events.append(line[6:])
-    assert events[-1] == "[DONE]"
-    assert [json.loads(e)["output_ids"] for e in events[:-1]] == [[token_at([1, 2, 3], i)] for i in range(3)]
-    assert d.stats()["last_body"]["stream"] is True
+    def stream(extra: dict[str, object]) -> list[str]:
+        events = []
+        with httpx.stream("POST", r.url + "/generate", json={**body, "stream": True, **extra}) as resp:
+            assert resp.headers["content-type"].startswith("text/event-stream")
+            for line in resp.iter_lines():
+                if line.startswith("data: "):
+                    events.append(line[6:])
+        assert events[-1] == "[DONE]"
+        return events[:-1]
+
+    deltas = stream({"rid": "native-2", "incremental_stream": True})
+    assert [json.loads(e)["output_ids"] for e in deltas] == [[token_at([1, 2, 3], i)] for i in range(3)]
+    assert d.stats()["last_body"]["stream"] is True and d.stats()["last_body"]["incremental_stream"] is True
+    cumulative = [json.loads(e) for e in stream({"rid": "native-3"})]  # SGLang's default: everything so far
+    assert cumulative[-1]["output_ids"] == out["output_ids"] and cumulative[-1]["text"] == out["text"]
+    assert all(a["output_ids"] == b["output_ids"][: len(a["output_ids"])] for a, b in zip(cumulative, cumulative[1:], strict=False))
 
 
 def test_health_models_metrics(pd: tuple[RouterProc, StubWorker, StubWorker]) -> None:
