@@ -14,6 +14,7 @@ admits a transfer while its overlap step is still in flight" is reached on purpo
 from __future__ import annotations
 
 import random
+import time
 from typing import Any
 
 from common.engine_core import EngineCore, build_engine_core
@@ -91,25 +92,32 @@ class InProcessPD:
         _iterate(self.prefill)
         _iterate(self.decode)
 
-    def run_until_finished(self, rids: list[str], max_iterations: int = 20_000) -> None:
-        for _ in range(max_iterations):
-            if all(self.decode_out.finished(r) for r in rids):
-                return
-            self.pump()
-        raise AssertionError(f"not finished after {max_iterations} iterations: "
-                             f"{[r for r in rids if not self.decode_out.finished(r)]}")
+    def run_until_finished(self, rids: list[str], timeout_s: float = 60.0) -> None:
+        """Pump until every rid finished on decode. Bounded by time, not iterations: handshakes
+        and transfers complete on the KVManagers' threads, however fast the test pumps."""
+        deadline = time.monotonic() + timeout_s
+        while not all(self.decode_out.finished(r) for r in rids):
+            if time.monotonic() > deadline:
+                raise AssertionError(f"not finished within {timeout_s}s: "
+                                     f"{[r for r in rids if not self.decode_out.finished(r)]}")
+            self._pump_or_wait()
 
     def tokens(self, rid: str) -> list[int]:
         return self.decode_out.tokens(rid)
 
-    def settle(self, max_iterations: int = 20_000) -> None:
+    def settle(self, timeout_s: float = 60.0) -> None:
         """Pump until both roles are idle (transfers acknowledged, deferred pages freed)."""
-        for _ in range(max_iterations):
-            if not self.prefill.scheduler.has_work and not self.decode.scheduler.has_work:
-                self.pump()  # the idle iteration frees deferred pages and checks the pools
-                return
-            self.pump()
-        raise AssertionError("PD engines did not go idle")
+        deadline = time.monotonic() + timeout_s
+        while self.prefill.scheduler.has_work or self.decode.scheduler.has_work:
+            if time.monotonic() > deadline:
+                raise AssertionError(f"PD engines did not go idle within {timeout_s}s")
+            self._pump_or_wait()
+        self.pump()  # the idle iteration frees deferred pages and checks the pools
+
+    def _pump_or_wait(self) -> None:
+        self.pump()
+        if not (self.prefill.scheduler.has_runnable_work or self.decode.scheduler.has_runnable_work):
+            time.sleep(0.001)  # only transfers in flight: let the managers' threads run
 
     def close(self) -> None:
         try:

@@ -6,6 +6,7 @@ later turn moves (only the pages after the prefix decode holds, plus the aux row
 from __future__ import annotations
 
 import random
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -72,10 +73,10 @@ def test_abort_mid_suffix_transfer_keeps_both_trees_whole(cached_pd: InProcessPD
     pd.run_until_finished(["first"])
     second = first + pd.tokens("first") + [rng.randrange(3, VOCAB) for _ in range(9)]
     pd.submit("second", second, 4)
-    for _ in range(200):  # until decode handed prefill its suffix pages
-        pd.pump()
-        if any(r.rid == "second" for r in pd.decode.scheduler.transferring):
-            break
+    deadline = time.monotonic() + 60.0
+    while not any(r.rid == "second" for r in pd.decode.scheduler.transferring):  # decode handed its pages
+        assert time.monotonic() < deadline, "decode never admitted the second turn"
+        pd.decode.transfer.poll()  # type: ignore[union-attr]  (decode only: prefill must not finish it)
     assert pd.decode.scheduler.abort("second", "client left")
     pd.settle()
     pd.decode.scheduler.kv.check_integrity()
