@@ -48,7 +48,8 @@ def distinct_prompts(seed: int) -> list[list[int]]:
 
 
 def _body(prompt: list[int], max_new: int, stream: bool) -> dict[str, Any]:
-    return {"input_ids": prompt, "stream": stream,
+    # incremental_stream: events carry deltas (the router's /generate default is SGLang's cumulative)
+    return {"input_ids": prompt, "stream": stream, "incremental_stream": True,
             "sampling_params": {"max_new_tokens": max_new, "temperature": 0, "ignore_eos": True}}
 
 
