@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -49,6 +50,19 @@ class EngineCore:
     transfer: TransferLink | None  # PD roles: their KV transfer manager
     executor: Executor
     runner: ModelRunner
+
+    def run_iteration(self, step_scope: Callable[[], AbstractContextManager[object]] = nullcontext) -> None:
+        """One engine-loop iteration after the inputs were taken in: poll the role's transfers,
+        step when there is work (inside `step_scope`, e.g. the liveness clock), send outputs
+        produced outside a step, and run the idle checks when nothing is left."""
+        if self.transfer is not None:
+            self.transfer.poll()
+        if self.scheduler.has_runnable_work:
+            with step_scope():
+                self.scheduler.step()
+        self.scheduler.flush()
+        if not self.scheduler.has_work:
+            self.scheduler.on_idle()  # reset new_token_ratio, check the pools once per idle spell
 
     def shutdown(self) -> None:
         """The engine first (no step may still read or write KV), then the transfer manager."""

@@ -121,7 +121,6 @@ class PrefillScheduler(Scheduler):
         last = self._num_pages(upto_tokens) if is_last else upto_tokens // ps
         if last <= first and not is_last:
             return
-        last = max(last, first)
         pages = [req.kv_slots[i * ps] // ps for i in range(first, last)]
         aux = None
         if is_last:

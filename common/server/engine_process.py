@@ -122,14 +122,7 @@ class EngineLoop:
                 wait = IDLE_WAIT_S
             for msg in self.channel.recv_requests(wait):
                 self.handle(msg)
-            if self.core.transfer is not None:
-                self.core.transfer.poll()
-            if self.scheduler.has_runnable_work:
-                with stepping(step_clock):
-                    self.scheduler.step()
-            self.scheduler.flush()  # outputs produced outside a step (e.g. by transfer polls)
-            if not self.scheduler.has_work:
-                self.scheduler.on_idle()  # reset new_token_ratio, check the pools once per idle spell
+            self.core.run_iteration(lambda: stepping(step_clock))
             if not self._parent_alive():
                 logger.warning("frontend process is gone; engine exits")
                 break

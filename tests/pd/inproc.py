@@ -17,7 +17,7 @@ import random
 import time
 from typing import Any
 
-from common.engine_core import EngineCore, build_engine_core
+from common.engine_core import build_engine_core
 from common.sampling_params import SamplingParams
 from common.scheduler.messages import BootstrapInfo, TokenOut
 from common.scheduler.req import Req
@@ -44,17 +44,6 @@ class Collector:
 
     def tokens(self, rid: str) -> list[int]:
         return [t for o in self.outputs.get(rid, []) for t in o.new_token_ids]
-
-
-def _iterate(core: EngineCore) -> None:
-    """One iteration of common/server/engine_process.py's loop, minus the channel."""
-    if core.transfer is not None:
-        core.transfer.poll()
-    if core.scheduler.has_runnable_work:
-        core.scheduler.step()
-    core.scheduler.flush()
-    if not core.scheduler.has_work:
-        core.scheduler.on_idle()
 
 
 class InProcessPD:
@@ -89,8 +78,8 @@ class InProcessPD:
                                               stream=True, eos_token_ids=self.eos))
 
     def pump(self) -> None:
-        _iterate(self.prefill)
-        _iterate(self.decode)
+        self.prefill.run_iteration()
+        self.decode.run_iteration()
 
     def run_until_finished(self, rids: list[str], timeout_s: float = 60.0) -> None:
         """Pump until every rid finished on decode. Bounded by time, not iterations: handshakes

@@ -47,6 +47,16 @@ class Role:
             if not self.scheduler.has_work:
                 self.scheduler.on_idle()
 
+    def serve_transferred(self, rid: str, prompt: list[int], max_new_tokens: int, room: int,
+                          iterations: int) -> list[int]:
+        """Decode: one request whose KV arrives at once (prefill's first token), run `iterations`
+        loop iterations; its tokens so far."""
+        self.scheduler.add_request(request(rid, prompt, max_new_tokens, room=room))
+        self.iterate()
+        self.transfer.receivers[rid].complete(prompt, reference_generate(prompt, 1, VOCAB)[0])
+        self.iterate(iterations)
+        return self.tokens(rid)
+
     def final(self, rid: str) -> TokenOut:
         out = self.outputs[rid][-1]
         assert out.finish_reason is not None, f"{rid} has not finished"
@@ -319,12 +329,7 @@ def test_prefill_refuses_a_skip_that_does_not_add_up() -> None:
 def test_decode_prefix_cache_serves_a_second_turn_with_only_its_new_pages(overlap: bool) -> None:
     d = make_decode(overlap=overlap, radix=True)
     turn1 = prompt_of(22)
-    d.scheduler.add_request(request("t1", turn1, 8, room=1))
-    d.iterate()
-    d.transfer.receivers["t1"].complete(turn1, reference_generate(turn1, 1, VOCAB)[0])
-    for _ in range(20):
-        d.iterate()
-    answer = d.tokens("t1")
+    answer = d.serve_transferred("t1", turn1, 8, room=1, iterations=20)
     assert answer == reference_generate(turn1, 8, VOCAB)
     assert d.scheduler.kv.radix.cached_pages == (22 + 8 - 1) // PS  # prompt + answer, whole pages
 
@@ -361,13 +366,7 @@ def test_decode_prefix_cache_evicts_under_pressure_and_stays_exact() -> None:
     d = make_decode(num_pages=13, radix=True, reserved=1)
     for i in range(6):
         prompt = prompt_of(17, seed=40 + i)
-        rid = f"r{i}"
-        d.scheduler.add_request(request(rid, prompt, 12, room=i))
-        d.iterate()
-        d.transfer.receivers[rid].complete(prompt, reference_generate(prompt, 1, VOCAB)[0])
-        for _ in range(30):
-            d.iterate()
-        assert d.tokens(rid) == reference_generate(prompt, 12, VOCAB), rid
+        assert d.serve_transferred(f"r{i}", prompt, 12, room=i, iterations=30) == reference_generate(prompt, 12, VOCAB)
     assert d.scheduler.kv.radix.cached_pages > 0 and d.pages_in_use == 0
     assert d.scheduler.stats()["kv_pages_evicted_total"] > 0
     d.scheduler.kv.check_integrity()
@@ -380,12 +379,7 @@ def test_decode_prefix_cache_evicts_under_pressure_and_stays_exact() -> None:
 def test_decode_prefills_a_short_suffix_itself_from_its_prefix_cache(overlap: bool) -> None:
     d = make_decode(overlap=overlap, radix=True)
     turn1 = prompt_of(26)
-    d.scheduler.add_request(request("t1", turn1, 10, room=1))
-    d.iterate()
-    d.transfer.receivers["t1"].complete(turn1, reference_generate(turn1, 1, VOCAB)[0])
-    for _ in range(25):
-        d.iterate()
-    turn2 = turn1 + d.tokens("t1") + prompt_of(5, seed=9)
+    turn2 = turn1 + d.serve_transferred("t1", turn1, 10, room=1, iterations=25) + prompt_of(5, seed=9)
     local = request("t2", turn2, 10)
     local.bootstrap = None
     d.scheduler.add_request(local)
