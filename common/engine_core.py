@@ -32,6 +32,7 @@ from common.scheduler.kv_manager import ReqKVManager
 from common.scheduler.model_worker import TorchModelWorker
 from common.scheduler.role import COLOCATED, RoleSpec, SchedulerParts, TransferLink
 from common.scheduler.scheduler import OutputSink, Scheduler
+from common.server.kv_event_publisher import KVEventPublisher
 from common.server.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
@@ -50,6 +51,7 @@ class EngineCore:
     transfer: TransferLink | None  # PD roles: their KV transfer manager
     executor: Executor
     runner: ModelRunner
+    kv_events: KVEventPublisher | None = None  # instances with a prefix cache: its contents, for the router
 
     def run_iteration(self, step_scope: Callable[[], AbstractContextManager[object]] = nullcontext) -> None:
         """One engine-loop iteration after the inputs were taken in: poll the role's transfers,
@@ -61,6 +63,8 @@ class EngineCore:
             with step_scope():
                 self.scheduler.step()
         self.scheduler.flush()
+        if self.kv_events is not None:
+            self.kv_events.flush()
         if not self.scheduler.has_work:
             self.scheduler.on_idle()  # reset new_token_ratio, check the pools once per idle spell
 
@@ -69,6 +73,8 @@ class EngineCore:
         self.executor.shutdown()
         if self.transfer is not None:
             self.transfer.service.shutdown()
+        if self.kv_events is not None:
+            self.kv_events.close()
 
     def ready_stats(self) -> dict[str, float]:
         s = self.scheduler.stats()
@@ -85,6 +91,8 @@ class EngineCore:
         )
         if self.transfer is not None and self.transfer.bootstrap_port is not None:
             s["bootstrap_port"] = float(self.transfer.bootstrap_port)
+        if self.kv_events is not None:
+            s["kv_events_port"] = float(self.kv_events.port)
         return s
 
 
@@ -119,6 +127,7 @@ def build_engine_core(
     role: RoleSpec = COLOCATED,
     extra_req_rows: int = EXTRA_REQ_ROWS,
     on_worker_start: Callable[[], None] | None = None,
+    publish_kv_events: bool = False,
 ) -> EngineCore:
     if not role.radix_cache and not args.disable_radix_cache:
         args = dataclasses.replace(args, disable_radix_cache=True)
@@ -147,7 +156,10 @@ def build_engine_core(
         kv_pool.total_bytes() / 2**20, str(dtype).removeprefix("torch."),
     )
     allocator = PageAllocator(kv_pool.num_pages, args.page_size)
-    radix = RadixCache(allocator, args.page_size, disable=args.disable_radix_cache)
+    kv_events = None
+    if not args.disable_radix_cache and not args.disable_kv_events and publish_kv_events:
+        kv_events = KVEventPublisher(args.host, args.kv_events_port, args.page_size)
+    radix = RadixCache(allocator, args.page_size, disable=args.disable_radix_cache, events=kv_events)
     kv = ReqKVManager(allocator, radix, req_pool, defer_frees=role.defer_frees)
     future_capacity = 4 * (req_pool.max_reqs + 8)
     sampler = Sampler(config.vocab_size, req_pool.max_reqs, device)
@@ -163,5 +175,5 @@ def build_engine_core(
     )
     return EngineCore(
         args=args, model_path=model_path, model_config=config, kv_pool=kv_pool, role=role, scheduler=built.scheduler,
-        transfer=built.transfer, executor=executor, runner=runner,
+        transfer=built.transfer, executor=executor, runner=runner, kv_events=kv_events,
     )

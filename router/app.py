@@ -30,6 +30,7 @@ from router.errors import ApiError, bad_request
 from router.fields import decode_json_object, get_int, get_str
 from router.handlers import GenerationHandler, json_response, read_body
 from router.health import HealthChecker
+from router.kv_index import KVIndexes
 from router.metrics import RouterMetrics
 from router.model_info import ModelInfo
 from router.openai_request import RequestParser
@@ -54,9 +55,10 @@ class Router:
         self.model = model or ModelInfo.load(cfg.model_path, cfg.served_model_name, cfg.context_length)
         self.registry = WorkerRegistry(cfg)
         self.metrics = RouterMetrics(self.registry)
-        self.dispatcher = Dispatcher(cfg, self.registry, self.metrics)
+        self.kv_indexes = KVIndexes()
+        self.dispatcher = Dispatcher(cfg, self.registry, self.metrics, self.kv_indexes)
         probe_ids = self.model.encode("ping")[:4]
-        self.health = HealthChecker(cfg, self.registry, self.metrics, probe_ids)
+        self.health = HealthChecker(cfg, self.registry, self.metrics, probe_ids, self.kv_indexes)
         self.parser = RequestParser(self.model, cfg.default_max_tokens_cap, cfg.incremental_streaming_output)
         self.handler = GenerationHandler(self)
         self.created = int(time.time())
@@ -68,6 +70,7 @@ class Router:
     async def stop(self) -> None:
         await self.health.stop()
         await self.dispatcher.close()
+        await self.kv_indexes.close()
 
     def not_ready_reason(self) -> str | None:
         for role in self.registry.roles:
@@ -143,8 +146,9 @@ def build_app(cfg: RouterConfig, model: ModelInfo | None = None) -> FastAPI:
 
     @app.get("/workers")
     async def list_workers() -> Response:
+        workers = [{**w.describe(), "kv_index": router.kv_indexes.describe(w.url)} for w in router.registry.all()]
         body = {"mode": "disaggregated" if cfg.disaggregated else "colocated", "ready": router.health.ready,
-                "pd_verified": router.health.pd_verified, "workers": [w.describe() for w in router.registry.all()]}
+                "pd_verified": router.health.pd_verified, "workers": workers}
         return json_response(msgspec.json.encode(body), 200, None)
 
     @app.post("/workers")

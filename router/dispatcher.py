@@ -24,7 +24,9 @@ from typing import Any
 from router.config import RouterConfig
 from router.errors import ApiError, UpstreamError
 from router.http_client import HttpClient
+from router.kv_index import KVIndexes
 from router.metrics import RouterMetrics
+from router.pair_choice import PairChooser
 from router.plan import GenerationPlan
 from router.registry import WorkerRegistry
 from router.upstream import Attempt, WorkerEvent
@@ -77,10 +79,12 @@ class RequestRun:
 
 
 class Dispatcher:
-    def __init__(self, cfg: RouterConfig, registry: WorkerRegistry, metrics: RouterMetrics) -> None:
+    def __init__(self, cfg: RouterConfig, registry: WorkerRegistry, metrics: RouterMetrics,
+                 kv_indexes: KVIndexes) -> None:
         self.cfg = cfg
         self.registry = registry
         self.metrics = metrics
+        self.pairs = PairChooser(cfg, registry, kv_indexes)
         self.client: HttpClient | None = None
         self.background: set[asyncio.Task[Any]] = set()
 
@@ -154,12 +158,11 @@ class Dispatcher:
             await asyncio.sleep(self._backoff(k))
 
     def _pick(self, plan: GenerationPlan, exclude: frozenset[str]) -> tuple[Any, Any]:
-        reg = self.registry
         if not self.cfg.disaggregated:
-            return reg.select("colocated", plan.input_ids, exclude), None
-        prefill = reg.select("prefill", plan.input_ids, exclude)
-        decode = reg.select("decode", plan.input_ids, exclude)
-        return decode, prefill
+            return self.registry.select("colocated", plan.input_ids, exclude), None
+        pair = self.pairs.choose(plan, exclude)
+        self.metrics.decode_choice.labels(pair.reason, "local" if pair.prefill is None else "prefill").inc()
+        return pair.decode, pair.prefill
 
     def _backoff(self, k: int) -> float:
         base = min(self.cfg.retry_backoff_max, self.cfg.retry_backoff_initial * (2**k))

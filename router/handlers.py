@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 import uuid
@@ -27,6 +28,7 @@ from router.fields import decode_json_object
 from router.native_response import CumulativeEvents, prompt_only, sse_event
 from router.openai_request import safe_rid
 from router.openai_response import SSE_DONE, ResponseFormatter, sse
+from router.pair_choice import session_key
 from router.plan import Api, GenerationPlan
 from router.upstream import WorkerEvent
 
@@ -106,6 +108,9 @@ class GenerationHandler:
                 plan = self.parser.chat(body)
             else:
                 plan = self.parser.generate(body)
+            session = request.headers.get("x-session-id") or body.get("user")
+            if session:
+                plan = dataclasses.replace(plan, session_id=session_key(session))
         except ApiError as e:
             return self._error(route, e, rid or uuid.uuid4().hex)
         rid = rid or plan.client_rid or uuid.uuid4().hex

@@ -6,7 +6,9 @@ status) goes to the worker's HealthState (health_state.py), which tells slow fro
 dead: a timeout only raises the load estimate, a worker that answered requests
 since the last probe is alive whatever the probe says, refused/reset/5xx are
 failures. All timings come from `RouterConfig.health`. A prefill worker without
-a configured bootstrap port learns it from GET /server_info.
+a configured bootstrap port learns it from GET /server_info, as every worker learns its
+prefix-cache facts (`Worker.cache_info`: where it publishes KV events, decode's local
+prefill limit); a worker that goes down forgets them and learns them again when back.
 
 Ready (GET /health of the router) = at least one healthy worker of each role AND,
 in PD mode, one real bootstrap round trip succeeded: a tiny /generate
@@ -28,21 +30,23 @@ import msgspec
 
 from router.config import RouterConfig
 from router.health_state import ProbeOutcome
+from router.kv_index import KVIndexes
 from router.metrics import RouterMetrics
 from router.plan import Bootstrap, GenerationPlan
 from router.registry import WorkerRegistry
-from router.worker import Worker
+from router.worker import CacheInfo, Worker
 
 logger = logging.getLogger("router.health")
 
 
 class HealthChecker:
     def __init__(self, cfg: RouterConfig, registry: WorkerRegistry, metrics: RouterMetrics,
-                 probe_input_ids: list[int]) -> None:
+                 probe_input_ids: list[int], kv_indexes: KVIndexes | None = None) -> None:
         self.cfg = cfg
         self.registry = registry
         self.metrics = metrics
         self.probe_input_ids = probe_input_ids or [0]
+        self.kv_indexes = kv_indexes
         self.pd_verified = not cfg.disaggregated
         self.last_probe_error: str | None = None
         self._client: httpx.AsyncClient | None = None
@@ -75,6 +79,11 @@ class HealthChecker:
     async def check_all(self) -> None:
         workers = self.registry.all()
         await asyncio.gather(*(self.check_worker(w) for w in workers))
+        if self.kv_indexes is not None:
+            for w in workers:
+                if self.kv_indexes.stale(w.url):
+                    w.cache_info = None  # no snapshot from where it said it publishes: ask again
+            self.kv_indexes.sync(workers)
         if self.cfg.disaggregated:
             if not all(any(w.health.healthy for w in self.registry.of_role(r)) for r in self.registry.roles):
                 self.pd_verified = False
@@ -86,6 +95,8 @@ class HealthChecker:
         transition = w.health.record(outcome, self.cfg.health, now=time.monotonic(), progress_at=w.last_progress_at)
         self.metrics.health_checks.labels(w.role, outcome.kind).inc()
         if transition is not None:
+            if transition == "down":
+                w.cache_info = None
             self.metrics.health_transitions.labels(w.role, transition).inc()
             logger.warning("worker %s (%s) is now %s%s", w.url, w.role, transition.upper(),
                            f": {w.health.last_error}" if w.health.last_error else "")
@@ -97,8 +108,8 @@ class HealthChecker:
             resp = await self._client.get(w.url + "/health")
             if resp.status_code != 200:
                 return ProbeOutcome("status", f"/health returned {resp.status_code}: {_reason(resp)}")
-            if w.role == "prefill" and w.bootstrap_port is None:
-                w.bootstrap_port = await self._learn_bootstrap_port(w)
+            if w.cache_info is None or (w.role == "prefill" and w.bootstrap_port is None):
+                await self._learn_server_info(w)
         except httpx.TimeoutException as e:
             return ProbeOutcome("timeout", f"no answer within {self.cfg.health.probe_timeout_s:g}s ({_name(e)})")
         except httpx.ConnectError as e:
@@ -109,16 +120,23 @@ class HealthChecker:
             return ProbeOutcome("server_info", f"bad /server_info: {e}")
         return ProbeOutcome("ok")
 
-    async def _learn_bootstrap_port(self, w: Worker) -> int:
+    async def _learn_server_info(self, w: Worker) -> None:
         assert self._client is not None
         resp = await self._client.get(w.url + "/server_info")
         resp.raise_for_status()
-        port = msgspec.json.decode(resp.content).get("bootstrap_port")
-        if port is None:  # bootstrap routes served on the HTTP port itself
-            port = httpx.URL(w.url).port or 80
-        if not isinstance(port, int) or not 0 < port < 65536:
-            raise ValueError(f"bootstrap_port {port!r}")
-        return port
+        info = msgspec.json.decode(resp.content)
+        if w.role == "prefill" and w.bootstrap_port is None:
+            port = info.get("bootstrap_port")
+            if port is None:  # bootstrap routes served on the HTTP port itself
+                port = httpx.URL(w.url).port or 80
+            if not isinstance(port, int) or not 0 < port < 65536:
+                raise ValueError(f"bootstrap_port {port!r}")
+            w.bootstrap_port = port
+        endpoint = info.get("kv_events_endpoint")
+        local_max = info.get("local_prefill_max_tokens") or 0
+        if not (endpoint is None or isinstance(endpoint, str)) or not isinstance(local_max, int):
+            raise ValueError(f"kv_events_endpoint {endpoint!r}, local_prefill_max_tokens {local_max!r}")
+        w.cache_info = CacheInfo(endpoint, local_max)
 
     async def probe_pair(self) -> bool:
         """One real PD round trip through a healthy pair; sets pd_verified on success."""

@@ -60,6 +60,9 @@ class RouterMetrics:
                                      "reset, status, server_info)", ["role", "result"], registry=r)
         self.health_transitions = Counter("router_worker_health_transitions", "workers marked up or down",
                                           ["role", "to"], registry=r)
+        self.decode_choice = Counter("router_decode_choice", "PD picks by why that decode (session, cache, "
+                                     "policy) and whether a prefill took part (prefill) or decode prefilled "
+                                     "alone from its cache (local)", ["reason", "prefill"], registry=r)
         r.register(_WorkerCollector(registry))
 
     def render(self) -> bytes:

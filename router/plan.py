@@ -36,10 +36,16 @@ class GenerationPlan:
     prompt_logprob_start: int = -1  # >= 0: prompt logprobs from this position (computed by prefill)
     incremental: bool = True  # /generate stream: deltas (else SGLang's cumulative events)
     echo_text: str | None = None  # /v1/completions echo: the prompt as the client sees it
+    session_id: str | None = None  # header x-session-id, else the OpenAI `user` field: decode affinity
 
     @property
     def max_new_tokens(self) -> int:
         return int(self.sampling_params.get("max_new_tokens", 128))
+
+    @property
+    def local_prefill_allowed(self) -> bool:
+        """May be prefilled on decode alone (prompt logprobs come only from a prefill instance)."""
+        return self.prompt_logprob_start < 0 and not self.prompt_only
 
     @property
     def prompt_only(self) -> bool:

@@ -29,6 +29,13 @@ def _least_loaded(candidates: Sequence[Worker]) -> Worker:
     return min(candidates, key=lambda w: (w.load, w.in_flight_tokens))
 
 
+def imbalanced(worker: Worker, candidates: Sequence[Worker], balance_abs: int, balance_rel: float) -> bool:
+    """`worker` is loaded well above the least loaded candidate: by more than balance_abs requests
+    AND by more than balance_rel times (the cache_aware policy's rule)."""
+    lo = min(w.load for w in candidates)
+    return worker.load - lo > balance_abs and worker.load > balance_rel * lo
+
+
 class RoundRobinPolicy(Policy):
     name = "round_robin"
 
@@ -90,9 +97,8 @@ class CacheAwarePolicy(Policy):
         self.tree = PrefixTree(max_tree_tokens)
 
     def select(self, candidates: Sequence[Worker], input_ids: Sequence[int]) -> Worker:
-        loads = [w.load for w in candidates]
-        hi, lo = max(loads), min(loads)
-        if len(candidates) > 1 and hi - lo > self.balance_abs and hi > self.balance_rel * lo:
+        busiest = max(candidates, key=lambda w: w.load)
+        if len(candidates) > 1 and imbalanced(busiest, candidates, self.balance_abs, self.balance_rel):
             chosen = _least_loaded(candidates)
         else:
             matched = self.tree.match(input_ids) if input_ids else {}

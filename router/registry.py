@@ -90,6 +90,11 @@ class WorkerRegistry:
         """Pick an available worker of `role`, avoiding `exclude` (earlier failed attempts) if possible.
 
         Raises ApiError 503 if none is available."""
+        return self.policies[role].select(self.candidates(role, exclude), input_ids)
+
+    def candidates(self, role: Role, exclude: frozenset[str] = frozenset()) -> list[Worker]:
+        """The workers of `role` a pick may choose from: the available ones (else, in panic, the down
+        ones still answering), without `exclude` unless that leaves none. Raises ApiError 503 if none."""
         candidates = self.available(role)
         if candidates:
             if role in self._panicking:
@@ -106,7 +111,7 @@ class WorkerRegistry:
                 code="no_healthy_worker",
             )
         preferred = [w for w in candidates if w.url not in exclude] if exclude else candidates
-        return self.policies[role].select(preferred or candidates, input_ids)
+        return preferred or candidates
 
     def _panic_candidates(self, role: Role) -> list[Worker]:
         out = [w for w in self._workers[role] if w.panic_available]

@@ -10,12 +10,22 @@ policies only read. All on the event loop, so no locking.
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
 from router.breaker import BreakerState, CircuitBreaker
 from router.config import Role
 from router.health_state import HealthState
+
+
+@dataclass(frozen=True)
+class CacheInfo:
+    """What a worker's /server_info says about its prefix cache (learned by the health checker,
+    forgotten when it goes down: a restarted worker may publish elsewhere)."""
+
+    kv_events_endpoint: str | None  # ZMQ PUB of its KV events (router/kv_index.py); None: publishes none
+    local_prefill_max_tokens: int  # decode: serves a prompt alone when at most this many tokens are not cached
 
 
 class Worker:
@@ -32,6 +42,7 @@ class Worker:
         self.total_requests = 0
         self.total_failures = 0
         self.removed = False
+        self.cache_info: CacheInfo | None = None
 
     @property
     def available(self) -> bool:
@@ -112,4 +123,4 @@ class LoadGuard:
             w.breaker.release_trial()
 
 
-__all__ = ["BreakerState", "HealthState", "LoadGuard", "Worker"]
+__all__ = ["BreakerState", "CacheInfo", "HealthState", "LoadGuard", "Worker"]

@@ -33,6 +33,8 @@ request, or owned by this tree. For one request:
   last_node and unlock the old one.
 - evict() frees tree-owned pages of unlocked LRU leaves to the allocator;
   reset() frees all of them (no node may be locked).
+- events: told the chain hash of every page the tree starts holding (insert) or stops
+  holding (eviction, reset), for the router's view of this instance (KV events).
 - With disable=True, match_prefix() returns nothing and insert() stores nothing
   (returns 0: the caller frees everything), so the caller's code path is the same.
 """
@@ -43,6 +45,7 @@ from collections.abc import Sequence
 from typing import Any, NamedTuple, Protocol
 
 from common.cache.errors import PoolInvariantError
+from common.cache.kv_events import ROOT_HASH, KVEventSink, page_hashes
 from common.cache.page_allocator import PageAllocator
 from common.cache.radix_node import EvictableLeaves, TreeNode
 
@@ -72,12 +75,15 @@ def _as_list(xs: Ints) -> list[int]:
 
 
 class RadixCache:
-    def __init__(self, allocator: PageAllocator, page_size: int, *, disable: bool = False) -> None:
+    def __init__(
+        self, allocator: PageAllocator, page_size: int, *, disable: bool = False, events: KVEventSink | None = None
+    ) -> None:
         if allocator.page_size != page_size:
             raise ValueError(f"page_size {page_size} != allocator.page_size {allocator.page_size}")
         self.allocator = allocator
         self.page_size = page_size
         self.disable = disable
+        self.events = events
         self._clock = 0
         self._clear()
 
@@ -156,6 +162,9 @@ class RadixCache:
                 raise PoolInvariantError(f"insert: slot {s} does not start a usable page (page_size={ps})")
         leaf = TreeNode(tokens[pos:end], value, node, self._clock)
         node.children[self._child_key(leaf.key, 0)] = leaf
+        if self.events is not None:
+            leaf.hashes = page_hashes(leaf.key, ps, node.hashes[-1] if node.hashes else ROOT_HASH)
+            self.events.stored(leaf.hashes)
         self._leaves.discard(node)
         self._leaves.add(leaf)
         self._evictable_pages += len(value) // ps
@@ -218,6 +227,8 @@ class RadixCache:
             pages.extend(self.allocator.pages_of(node.value))
         self.allocator.free(pages)
         self._clear()
+        if self.events is not None:
+            self.events.cleared()
 
     def _child_key(self, tokens: list[int], pos: int) -> ChildKey:
         return tokens[pos] if self.page_size == 1 else tuple(tokens[pos : pos + self.page_size])
@@ -254,6 +265,7 @@ class RadixCache:
         assert parent is not None
         top = TreeNode(child.key[:n], child.value[:n], parent, child.last_access)
         top.lock_ref = child.lock_ref
+        top.hashes, child.hashes = child.hashes[: n // self.page_size], child.hashes[n // self.page_size :]
         top.children[self._child_key(child.key, n)] = child
         parent.children[self._child_key(child.key, 0)] = top
         child.key, child.value, child.parent = child.key[n:], child.value[n:], top
@@ -266,6 +278,8 @@ class RadixCache:
         self.allocator.free_slots(leaf.value)
         del parent.children[self._child_key(leaf.key, 0)]
         leaf.parent = None
+        if self.events is not None:
+            self.events.removed(leaf.hashes)
         pages = len(leaf.value) // self.page_size
         self._evictable_pages -= pages
         self._num_nodes -= 1
@@ -294,6 +308,8 @@ class RadixCache:
                     raise PoolInvariantError(f"{where}: lock_ref {child.lock_ref} < 0 or above its parent's")
                 if node is not self._root and node.last_access < child.last_access:
                     raise PoolInvariantError(f"{where}: accessed after its parent")
+                if self.events is not None and len(child.hashes) * ps != len(child.key):
+                    raise PoolInvariantError(f"{where}: {len(child.hashes)} page hashes for {len(child.key)} tokens")
                 for i in range(0, len(child.value), ps):
                     first = child.value[i]
                     page = first // ps

@@ -20,7 +20,7 @@ class TreeNode:
     Callers treat nodes as opaque handles for inc_lock_ref / dec_lock_ref.
     """
 
-    __slots__ = ("children", "parent", "key", "value", "lock_ref", "last_access", "id")
+    __slots__ = ("children", "parent", "key", "value", "lock_ref", "last_access", "id", "hashes")
 
     def __init__(self, key: list[int], value: list[int], parent: TreeNode | None, last_access: int) -> None:
         self.children: dict[int | tuple[int, ...], TreeNode] = {}
@@ -30,6 +30,7 @@ class TreeNode:
         self.lock_ref = 0
         self.last_access = last_access
         self.id = next(_node_ids)
+        self.hashes: list[int] = []  # chain hash of each page (common/cache/kv_events.py), when events are on
 
     def __repr__(self) -> str:
         head = self.key[:8]

@@ -46,7 +46,7 @@ class EngineLoop:
         self.args = args
         self.channel = channel
         self.role = role
-        self.core: EngineCore = build_engine_core(args, self._send_tokens, role=role)
+        self.core: EngineCore = build_engine_core(args, self._send_tokens, role=role, publish_kv_events=True)
         self.scheduler = self.core.scheduler
         self.eos_token_ids = frozenset(self.core.model_config.eos_token_ids)
         self._parent = os.getppid()

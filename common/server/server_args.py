@@ -67,6 +67,8 @@ class ServerArgs:
     num_reserved_decode_tokens: int = 512
     disaggregation_decode_enable_radix_cache: bool = False
     disaggregation_local_prefill_max_tokens: int = 256
+    kv_events_port: int = 0
+    disable_kv_events: bool = False
     disaggregation_bootstrap_timeout: float = TransferConfig.bootstrap_timeout_s
     disaggregation_transfer_timeout: float = TransferConfig.transfer_timeout_s
     disaggregation_heartbeat_interval: float = TransferConfig.heartbeat_interval_s
@@ -128,6 +130,8 @@ class ServerArgs:
             return f"--mem-fraction-static must be in (0, 1), got {self.mem_fraction_static}"
         if self.graceful_shutdown_timeout < 0:
             return f"--graceful-shutdown-timeout must be >= 0, got {self.graceful_shutdown_timeout}"
+        if not 0 <= self.kv_events_port < 65536:
+            return f"--kv-events-port must be in [0, 65535], got {self.kv_events_port}"
         if self.disaggregation_local_prefill_max_tokens < 0:
             return f"--disaggregation-local-prefill-max-tokens must be >= 0, got {self.disaggregation_local_prefill_max_tokens}"
         if self.num_reserved_decode_tokens < 0:
@@ -251,6 +255,9 @@ _HELP: dict[str, str] = {
     "prefilled on decode itself",
     "disaggregation_local_prefill_max_tokens": "decode: a local prefill that computes more tokens than this "
     "counts as a cache miss (the router expected its prefix cached)",
+    "kv_events_port": "where an instance with a prefix cache publishes its contents for the router (ZMQ PUB on "
+    "--host; 0: a free port, shown in /server_info)",
+    "disable_kv_events": "publish no KV events (the router then guesses what this instance caches)",
     "disaggregation_bootstrap_timeout": "seconds prefill waits for decode's destination pages",
     "disaggregation_transfer_timeout": "seconds decode waits for a KV transfer",
     "disaggregation_heartbeat_interval": "seconds between decode -> prefill heartbeats",
