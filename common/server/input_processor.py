@@ -62,6 +62,8 @@ class InputProcessor:
         self.tokenizer = tokenizer
         self.info = info
         self._pd_mode = args.disaggregation_mode != "null"
+        # decode with its prefix cache prefills a request that names no prefill itself (from that cache)
+        self._bootstrap_optional = args.is_decode and args.disaggregation_decode_enable_radix_cache
 
     def process(self, body: GenerateRequestBody, rid: str) -> GenerateReq:
         if not rid or len(rid) > MAX_RID_LEN:
@@ -133,7 +135,7 @@ class InputProcessor:
         fields = (body.bootstrap_host, body.bootstrap_port, body.bootstrap_room)
         given = sum(f is not None for f in fields)
         if given == 0:
-            if self._pd_mode:
+            if self._pd_mode and not self._bootstrap_optional:
                 raise bad_request("bootstrap_host, bootstrap_port and bootstrap_room are required in PD mode")
             return None
         if given != 3:
