@@ -7,13 +7,16 @@ Each session is a shared system prompt + per-turn questions; turn k's prompt is 
 prompt + its answer + a new question (token ids through the router's native /generate, greedy,
 ignore_eos). Two runs on the same ports, pd.sh restarted in between:
   plain   launch/pd.sh as is
-  cached  decode with --disaggregation-decode-enable-radix-cache (prefill sends only the pages
-          decode lacks)
+  cached  decode with --disaggregation-decode-enable-radix-cache: decode keeps each turn's KV,
+          prefill sends only the pages decode lacks, and the router (following decode's KV
+          events) sends a turn whose uncached suffix is at most decode's
+          --disaggregation-local-prefill-max-tokens (default 256) to decode alone
+Every request carries its session in x-session-id (session affinity; moot with one decode).
 KV bytes come from prefill's /metrics (pdserve_kv_transfer_bytes), TTFT from the stream.
 Both runs' answers must be identical (greedy): the bench fails otherwise.
 Last line: RESULT {"ttft_p50_turn2plus_ratio", "kv_bytes_ratio", "local_prefill_fraction",
-"tokens_per_s_ratio", ...}: cached / plain. local_prefill_fraction is null: short suffixes are
-not yet prefilled on decode (issue 22 part 3).
+"tokens_per_s_ratio", ...}: cached / plain; local_prefill_fraction is the cached run's share
+of turns prefilled on decode alone.
 """
 
 from __future__ import annotations
@@ -52,6 +55,7 @@ class RunResult:
     records: list[TurnRecord] = field(default_factory=list)
     duration_s: float = 0.0
     kv_bytes: float = 0.0
+    local_prefills: float = 0.0
 
     def ttft_p50_turn2plus_ms(self) -> float:
         return 1e3 * statistics.median(r.ttft_s for r in self.records if r.turn >= 1)
@@ -72,6 +76,7 @@ class PDLaunch:
             argv += ["--decode-args", decode_args]
         self.url = f"http://127.0.0.1:{port}"
         self.prefill_url = f"http://127.0.0.1:{port + 100}"
+        self.decode_url = f"http://127.0.0.1:{port + 200}"
         self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                      start_new_session=True)
 
@@ -101,13 +106,14 @@ def metric(url: str, name: str) -> float:
     return 0.0
 
 
-async def one_turn(client: httpx.AsyncClient, url: str, prompt: list[int], max_new: int) -> tuple[float, list[int]]:
+async def one_turn(client: httpx.AsyncClient, url: str, prompt: list[int], max_new: int,
+                   session: str) -> tuple[float, list[int]]:
     body = {"input_ids": prompt, "stream": True, "incremental_stream": True,
             "sampling_params": {"max_new_tokens": max_new, "temperature": 0, "ignore_eos": True}}
     t0 = time.perf_counter()
     ttft: float | None = None
     events: list[list[int]] = []
-    async with client.stream("POST", url + "/generate", json=body) as resp:
+    async with client.stream("POST", url + "/generate", json=body, headers={"x-session-id": session}) as resp:
         if resp.status_code != 200:
             raise RuntimeError(f"HTTP {resp.status_code}: {(await resp.aread())[:300]!r}")
         async for line in resp.aiter_lines():
@@ -140,7 +146,7 @@ async def run_sessions(url: str, args: argparse.Namespace) -> tuple[list[TurnRec
         for k in range(args.turns):
             prompt = prompt + questions[s][k]
             async with slots:
-                ttft, answer = await one_turn(client, url, prompt, args.output_len)
+                ttft, answer = await one_turn(client, url, prompt, args.output_len, f"session-{s}")
             records.append(TurnRecord(s, k, len(prompt), ttft, answer))
             prompt = prompt + answer
 
@@ -155,12 +161,14 @@ def run_config(label: str, decode_args: str, args: argparse.Namespace, log_root:
     try:
         pd.wait_ready()
         before = metric(pd.prefill_url, "kv_transfer_bytes")
+        local_before = metric(pd.decode_url, "num_local_prefill_total")
         records, duration = asyncio.run(run_sessions(pd.url, args))
         time.sleep(1.0)  # the last transfers' acks
         kv = metric(pd.prefill_url, "kv_transfer_bytes") - before
+        local = metric(pd.decode_url, "num_local_prefill_total") - local_before
     finally:
         pd.stop()
-    return RunResult(label, records, duration, kv)
+    return RunResult(label, records, duration, kv, local)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -203,7 +211,7 @@ def main(argv: list[str] | None = None) -> int:
     result: dict[str, Any] = {
         "ttft_p50_turn2plus_ratio": round(cached.ttft_p50_turn2plus_ms() / plain.ttft_p50_turn2plus_ms(), 3),
         "kv_bytes_ratio": round(cached.kv_bytes / plain.kv_bytes, 3) if plain.kv_bytes else None,
-        "local_prefill_fraction": None,
+        "local_prefill_fraction": round(cached.local_prefills / len(cached.records), 3),
         "tokens_per_s_ratio": round(cached.tokens_per_s() / plain.tokens_per_s(), 3),
         "ttft_p50_turn2plus_ms": {r.label: round(r.ttft_p50_turn2plus_ms(), 1) for r in runs},
         "kv_bytes": {r.label: r.kv_bytes for r in runs},
