@@ -53,9 +53,9 @@ class Router:
     def __init__(self, cfg: RouterConfig, model: ModelInfo | None = None) -> None:
         self.cfg = cfg
         self.model = model or ModelInfo.load(cfg.model_path, cfg.served_model_name, cfg.context_length)
-        self.registry = WorkerRegistry(cfg)
-        self.metrics = RouterMetrics(self.registry)
         self.kv_indexes = KVIndexes()
+        self.registry = WorkerRegistry(cfg, self.kv_indexes.cached_tokens)
+        self.metrics = RouterMetrics(self.registry)
         self.dispatcher = Dispatcher(cfg, self.registry, self.metrics, self.kv_indexes)
         probe_ids = self.model.encode("ping")[:4]
         self.health = HealthChecker(cfg, self.registry, self.metrics, probe_ids, self.kv_indexes)

@@ -84,7 +84,7 @@ class Dispatcher:
         self.cfg = cfg
         self.registry = registry
         self.metrics = metrics
-        self.pairs = PairChooser(cfg, registry, kv_indexes)
+        self.pairs = PairChooser(cfg, registry, kv_indexes.cached_tokens)
         self.client: HttpClient | None = None
         self.background: set[asyncio.Task[Any]] = set()
 

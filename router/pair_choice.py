@@ -24,9 +24,8 @@ from dataclasses import dataclass
 
 from router.config import RouterConfig
 from router.errors import bad_request
-from router.kv_index import KVIndexes
 from router.plan import GenerationPlan
-from router.policies import imbalanced
+from router.policies import ExactMatch, imbalanced
 from router.registry import WorkerRegistry
 from router.worker import Worker
 
@@ -74,17 +73,17 @@ class Pair:
 
 
 class PairChooser:
-    def __init__(self, cfg: RouterConfig, registry: WorkerRegistry, kv_indexes: KVIndexes) -> None:
+    def __init__(self, cfg: RouterConfig, registry: WorkerRegistry, cached_tokens: ExactMatch) -> None:
         self.cfg = cfg
         self.registry = registry
-        self.kv_indexes = kv_indexes
+        self.cached_tokens = cached_tokens  # KVIndexes.cached_tokens
         self.sessions = SessionAffinity()
 
     def choose(self, plan: GenerationPlan, exclude: frozenset[str]) -> Pair:
         ids = plan.input_ids
         candidates = self.registry.candidates("decode", exclude)
         hashes: dict[int, list[int]] = {}
-        cached = {w.url: self.kv_indexes.cached_tokens(w, ids, hashes) for w in candidates}
+        cached = {w.url: self.cached_tokens(w, ids, hashes) for w in candidates}
         decode, reason = self._decode(plan, candidates, cached)
         if plan.session_id is not None:
             self.sessions.remember(plan.session_id, decode.url)

@@ -8,10 +8,13 @@ from __future__ import annotations
 
 import random
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from router.prefix_tree import PrefixTree
 from router.worker import Worker
+
+# (worker, prompt, memo) -> leading prompt tokens the worker holds now, None when unknown (KVIndexes.cached_tokens)
+ExactMatch = Callable[[Worker, Sequence[int], dict[int, list[int]]], "int | None"]
 
 
 class Policy(ABC):
@@ -79,7 +82,9 @@ class CacheAwarePolicy(Policy):
     Imbalanced when max_load - min_load > balance_abs AND max_load > balance_rel * min_load
     (loads = in-flight requests). Otherwise the worker with the longest matched prefix wins
     if match/len(prompt) >= cache_threshold; else the least loaded. The chosen worker's
-    tree gets the prompt either way.
+    tree gets the prompt either way. The match is exact for a worker that publishes KV
+    events (`exact_match`, router/kv_index.py: what its cache holds now), else the tree's
+    guess from what was sent to it (which drifts once the worker evicts).
     """
 
     name = "cache_aware"
@@ -90,7 +95,9 @@ class CacheAwarePolicy(Policy):
         balance_abs: int = 32,
         balance_rel: float = 1.5,
         max_tree_tokens: int = 1 << 20,
+        exact_match: ExactMatch | None = None,
     ) -> None:
+        self.exact_match = exact_match
         self.cache_threshold = cache_threshold
         self.balance_abs = balance_abs
         self.balance_rel = balance_rel
@@ -102,6 +109,12 @@ class CacheAwarePolicy(Policy):
             chosen = _least_loaded(candidates)
         else:
             matched = self.tree.match(input_ids) if input_ids else {}
+            if self.exact_match is not None and input_ids:
+                memo: dict[int, list[int]] = {}
+                for w in candidates:
+                    exact = self.exact_match(w, input_ids, memo)
+                    if exact is not None:
+                        matched[w.url] = exact
             best = max(candidates, key=lambda w: (matched.get(w.url, 0), -w.load))
             hit = matched.get(best.url, 0)
             if input_ids and hit / len(input_ids) >= self.cache_threshold:
@@ -123,6 +136,7 @@ def make_policy(
     balance_abs: int = 32,
     balance_rel: float = 1.5,
     max_tree_tokens: int = 1 << 20,
+    exact_match: ExactMatch | None = None,
 ) -> Policy:
     if name == "round_robin":
         return RoundRobinPolicy()
@@ -131,5 +145,5 @@ def make_policy(
     if name == "power_of_two":
         return PowerOfTwoPolicy()
     if name == "cache_aware":
-        return CacheAwarePolicy(cache_threshold, balance_abs, balance_rel, max_tree_tokens)
+        return CacheAwarePolicy(cache_threshold, balance_abs, balance_rel, max_tree_tokens, exact_match)
     raise ValueError(f"unknown policy {name!r}")

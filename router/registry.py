@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from router.breaker import CircuitBreaker
 from router.config import Role, RouterConfig, WorkerSpec
 from router.errors import ApiError
-from router.policies import Policy, make_policy
+from router.policies import ExactMatch, Policy, make_policy
 from router.worker import Worker
 
 ROLE_LABEL = {"prefill": "prefill", "decode": "decode", "colocated": "worker"}
@@ -26,7 +26,7 @@ logger = logging.getLogger("router.registry")
 
 
 class WorkerRegistry:
-    def __init__(self, cfg: RouterConfig) -> None:
+    def __init__(self, cfg: RouterConfig, exact_match: ExactMatch | None = None) -> None:
         self.cfg = cfg
         self.roles: tuple[Role, ...] = ("prefill", "decode") if cfg.disaggregated else ("colocated",)
         self._workers: dict[Role, list[Worker]] = {r: [] for r in self.roles}
@@ -43,6 +43,7 @@ class WorkerRegistry:
                 balance_abs=cfg.balance_abs_threshold,
                 balance_rel=cfg.balance_rel_threshold,
                 max_tree_tokens=cfg.max_tree_tokens,
+                exact_match=exact_match,
             )
             for r in self.roles
         }

@@ -35,6 +35,7 @@ PROC_PATHS = (
     "pd/test_pd_aborts.py",
     "pd/test_pd_e2e.py",
     "pd/test_pd_multiturn.py",
+    "pd/test_pd_router_multiturn.py",
     "pd/test_pd_transfer_health.py",
     "router/",
     "server/test_http_frontend.py",
