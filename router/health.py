@@ -132,11 +132,12 @@ class HealthChecker:
             if not isinstance(port, int) or not 0 < port < 65536:
                 raise ValueError(f"bootstrap_port {port!r}")
             w.bootstrap_port = port
-        endpoint = info.get("kv_events_endpoint")
+        events_port = info.get("kv_events_port")
         local_max = info.get("local_prefill_max_tokens") or 0
-        if not (endpoint is None or isinstance(endpoint, str)) or not isinstance(local_max, int):
-            raise ValueError(f"kv_events_endpoint {endpoint!r}, local_prefill_max_tokens {local_max!r}")
-        w.cache_info = CacheInfo(endpoint, local_max)
+        if not (events_port is None or isinstance(events_port, int)) or not isinstance(local_max, int):
+            raise ValueError(f"kv_events_port {events_port!r}, local_prefill_max_tokens {local_max!r}")
+        host = f"[{w.host}]" if ":" in w.host else w.host  # the address the router reaches the worker at
+        w.cache_info = CacheInfo(f"tcp://{host}:{events_port}" if events_port else None, local_max)
 
     async def probe_pair(self) -> bool:
         """One real PD round trip through a healthy pair; sets pd_verified on success."""

@@ -162,8 +162,8 @@ def server_info(args: ServerArgs, context_length: int, stats: dict[str, float]) 
         "bootstrap_port": args.disaggregation_bootstrap_port if args.is_prefill else None,
         # as the engine built its role (decode never keeps a prefix cache), not as flagged
         "radix_cache": bool(stats.get("radix_cache_enabled", not args.disable_radix_cache)),
-        # the router's view of this instance's prefix cache (common/cache/kv_events.py)
-        "kv_events_endpoint": f"tcp://{args.host}:{int(stats['kv_events_port'])}" if "kv_events_port" in stats else None,
+        # ZMQ PUB of this instance's prefix cache contents, on --host (common/cache/kv_events.py)
+        "kv_events_port": int(stats["kv_events_port"]) if "kv_events_port" in stats else None,
         # decode: serves a request without bootstrap info from its prefix cache (the router sends
         # it alone when at most this many prompt tokens are not cached there)
         "local_prefill_max_tokens": args.disaggregation_local_prefill_max_tokens
