@@ -24,7 +24,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from common.cache.kv_events import KVEventMessage, KVSnapshot, page_hashes
+from common.cache.kv_events import KVEventMessage, KVSnapshot, PromptHashes
 from router.worker import Worker
 
 logger = logging.getLogger("router.kv_index")
@@ -65,11 +65,9 @@ class WorkerKVIndex:
         self.hashes.difference_update(msg.removed)
         self.hashes.update(msg.stored)
 
-    def cached_pages(self, prompt_hashes: Sequence[int]) -> int:
+    def cached_pages(self, prompt: PromptHashes) -> int:
         n = 0
-        for h in prompt_hashes:
-            if h not in self.hashes:
-                break
+        while n < prompt.num_pages and prompt[n] in self.hashes:
             n += 1
         return n
 
@@ -127,16 +125,16 @@ class KVIndexes:
         sub = self._subs.get(url)
         return sub.index if sub is not None and sub.index.fresh(time.monotonic()) else None
 
-    def cached_tokens(self, worker: Worker, input_ids: Sequence[int], hashes_by_page: dict[int, list[int]]) -> int | None:
+    def cached_tokens(self, worker: Worker, input_ids: Sequence[int], memo: dict[int, PromptHashes]) -> int | None:
         """Leading prompt tokens `worker` holds in its cache (whole pages); None when not known.
-        `hashes_by_page` memoizes the prompt's hashes per page size across workers."""
+        `memo` shares the prompt's hashes (per page size) across the workers of one pick."""
         index = self.index(worker.url)
         if index is None or index.page_size <= 0:
             return None
         ps = index.page_size
-        if ps not in hashes_by_page:
-            hashes_by_page[ps] = page_hashes(input_ids, ps)
-        return index.cached_pages(hashes_by_page[ps]) * ps
+        if ps not in memo:
+            memo[ps] = PromptHashes(input_ids, ps)
+        return index.cached_pages(memo[ps]) * ps
 
     async def _follow(self, url: str, endpoint: str, index: WorkerKVIndex) -> None:
         sock = self._ctx.socket(zmq.SUB)

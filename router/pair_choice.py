@@ -22,6 +22,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from common.cache.kv_events import PromptHashes
 from router.config import RouterConfig
 from router.errors import bad_request
 from router.plan import GenerationPlan
@@ -82,7 +83,7 @@ class PairChooser:
     def choose(self, plan: GenerationPlan, exclude: frozenset[str]) -> Pair:
         ids = plan.input_ids
         candidates = self.registry.candidates("decode", exclude)
-        hashes: dict[int, list[int]] = {}
+        hashes: dict[int, PromptHashes] = {}
         cached = {w.url: self.cached_tokens(w, ids, hashes) for w in candidates}
         decode, reason = self._decode(plan, candidates, cached)
         if plan.session_id is not None:

@@ -10,11 +10,12 @@ import random
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 
+from common.cache.kv_events import PromptHashes
 from router.prefix_tree import PrefixTree
 from router.worker import Worker
 
 # (worker, prompt, memo) -> leading prompt tokens the worker holds now, None when unknown (KVIndexes.cached_tokens)
-ExactMatch = Callable[[Worker, Sequence[int], dict[int, list[int]]], "int | None"]
+ExactMatch = Callable[[Worker, Sequence[int], dict[int, PromptHashes]], "int | None"]
 
 
 class Policy(ABC):
@@ -110,7 +111,7 @@ class CacheAwarePolicy(Policy):
         else:
             matched = self.tree.match(input_ids) if input_ids else {}
             if self.exact_match is not None and input_ids:
-                memo: dict[int, list[int]] = {}
+                memo: dict[int, PromptHashes] = {}
                 for w in candidates:
                     exact = self.exact_match(w, input_ids, memo)
                     if exact is not None:

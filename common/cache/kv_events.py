@@ -40,6 +40,24 @@ def page_hashes(tokens: Sequence[int], page_size: int, parent: int = ROOT_HASH) 
     return out
 
 
+class PromptHashes:
+    """A prompt's page chain hashes, computed only as far as they are asked for (a match stops at
+    the first page a worker lacks, so a miss costs one hash, not one per page)."""
+
+    def __init__(self, tokens: Sequence[int], page_size: int) -> None:
+        self.tokens = tokens
+        self.page_size = page_size
+        self.num_pages = len(tokens) // page_size
+        self._hashes: list[int] = []
+
+    def __getitem__(self, i: int) -> int:
+        hashes, ps = self._hashes, self.page_size
+        while len(hashes) <= i:
+            start = len(hashes) * ps
+            hashes.append(page_hash(hashes[-1] if hashes else ROOT_HASH, self.tokens[start : start + ps]))
+        return hashes[i]
+
+
 class KVEventSink(Protocol):
     """Told by the RadixCache which pages (by chain hash) it starts or stops holding."""
 

@@ -12,7 +12,7 @@ import pytest
 import zmq
 
 from common.cache import PageAllocator, RadixCache
-from common.cache.kv_events import KVEventBatch, KVEventMessage, KVSnapshot, page_hashes
+from common.cache.kv_events import KVEventBatch, KVEventMessage, KVSnapshot, PromptHashes, page_hashes
 from common.cache.radix_node import TreeNode
 from common.server.kv_event_publisher import KVEventPublisher
 from router.kv_index import STALE_AFTER_S, WorkerKVIndex
@@ -121,6 +121,8 @@ def test_cached_pages_counts_leading_hashes(cached_pages: int) -> None:
     assert len(hashes) == 5  # the partial last page is not named
     index = WorkerKVIndex()
     index.apply(KVSnapshot(1, 0, PAGE, hashes[:cached_pages] + page_hashes([99] * 8, PAGE)), 0.0)
-    assert index.cached_pages(hashes) == cached_pages
+    lazy = PromptHashes(prompt, PAGE)
+    assert index.cached_pages(lazy) == cached_pages
+    assert [lazy[i] for i in range(5)] == hashes
     other = [7, *prompt[1:]]  # same tokens after the first: every chain hash differs
-    assert index.cached_pages(page_hashes(other, PAGE)) == 0
+    assert index.cached_pages(PromptHashes(other, PAGE)) == 0

@@ -8,6 +8,7 @@ from collections.abc import Sequence
 
 import pytest
 
+from common.cache.kv_events import PromptHashes
 from router.config import RouterConfig
 from router.errors import ApiError
 from router.health_state import ProbeOutcome
@@ -26,7 +27,7 @@ class CacheTable:
     def __init__(self) -> None:
         self.cached: dict[str, int] = {}
 
-    def __call__(self, worker: Worker, ids: Sequence[int], memo: dict[int, list[int]]) -> int | None:
+    def __call__(self, worker: Worker, ids: Sequence[int], memo: dict[int, PromptHashes]) -> int | None:
         return self.cached.get(worker.url)
 
 
