@@ -87,6 +87,8 @@ class EngineLoop:
 
     # ---- loop -------------------------------------------------------------------------------
     def _send_tokens(self, items: list[TokenOut]) -> None:
+        if self.core.kv_events is not None:
+            self.core.kv_events.flush()  # cache changes go out before the tokens that let a client send its next turn
         self.channel.send(BatchTokenOut(items=items))
 
     def reject(self, rid: str, message: str, status_code: int = 400) -> None:
