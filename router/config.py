@@ -83,6 +83,7 @@ class RouterConfig:
     request_timeout: float = 600.0
     connect_timeout: float = 5.0
     max_retries: int = 3
+    max_migrations: int = 1  # a stream whose decode fails after the first byte moves to a new pair (0: off)
     retry_backoff_initial: float = 0.02
     retry_backoff_max: float = 1.0
     health_check_interval: float = 5.0
@@ -133,6 +134,8 @@ class RouterConfig:
         for name in ("prefill_policy", "decode_policy"):
             if getattr(self, name) not in POLICIES:
                 raise ValueError(f"{name} must be one of {POLICIES}, got {getattr(self, name)!r}")
+        if self.max_migrations < 0:
+            raise ValueError("max_migrations must be >= 0")
         if self.max_retries < 0 or self.request_timeout <= 0 or self.health_check_interval <= 0:
             raise ValueError("max_retries must be >= 0, request_timeout and health_check_interval > 0")
         if min(self.health_failure_threshold, self.health_success_threshold) < 1:
@@ -209,6 +212,7 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--" + name.replace("_", "-"), type=float, default=d[name])
     for name in (
         "max_retries",
+        "max_migrations",
         "health_failure_threshold",
         "health_success_threshold",
         "breaker_failure_threshold",

@@ -4,6 +4,9 @@
       attempt k: pick P (prefill policy) and D (decode policy), new room, Attempt.events()
         UpstreamError before the first event was handed out, retryable, k < max_retries
           -> back off (exponential, jittered), exclude the blamed worker, try again
+        UpstreamError after events went out (a stream), blamed on decode, retryable, and
+        --max-migrations not used up -> migrate (router/migration.py): the same stream goes
+          on from a new pair with prompt + the tokens sent, max_new_tokens reduced
         otherwise the error is final
       everything under one deadline (request_timeout) -> 504
     RequestRun.first() -> first event or ApiError (nothing was sent to the client yet)
@@ -25,6 +28,7 @@ from router.config import RouterConfig
 from router.errors import ApiError, UpstreamError
 from router.http_client import HttpClient
 from router.metrics import RouterMetrics
+from router.migration import Migration
 from router.plan import GenerationPlan
 from router.registry import WorkerRegistry
 from router.upstream import Attempt, WorkerEvent
@@ -122,36 +126,51 @@ class Dispatcher:
         put = run.queue.put_nowait
         exclude: set[str] = set()
         last_error: UpstreamError | None = None
-        for k in range(self.cfg.max_retries + 1):
+        migration = Migration(plan, self.cfg.max_migrations)
+        retries = 0
+        while True:
             try:
-                decode, prefill = self._pick(plan, frozenset(exclude))
+                decode, prefill = self._pick(migration.plan, frozenset(exclude))
             except ApiError:
                 if last_error is not None:
                     raise last_error from None
                 raise
-            run.attempts = k + 1
-            attempt = Attempt(self.client, plan, rid if k == 0 else f"{rid}.r{k}", decode, prefill,
-                              secrets.randbits(63), self.background)
+            run.attempts += 1
+            name = rid if run.attempts == 1 else f"{rid}.{'m' if migration.count else 'r'}{run.attempts - 1}"
+            attempt = Attempt(self.client, migration.plan, name, decode, prefill, secrets.randbits(63),
+                              self.background)
             sent = False
             ok = False
             try:
                 async for ev in attempt.events():
+                    ev = migration.adapt(ev)
+                    migration.record(ev)
                     put(ev)
                     sent = True
                 ok = True
                 return
             except UpstreamError as e:
                 attempt.fail(e)
-                if sent or not e.retryable or k == self.cfg.max_retries:
-                    raise
-                last_error = e
                 if e.worker_url:
                     exclude.add(e.worker_url)
+                if sent:
+                    if not migration.allows(e, decode.url):
+                        raise
+                    migration.next_plan()
+                    self.metrics.migrations.labels(e.type).inc()
+                    logger.warning("rid=%s decode %s failed after %d tokens (%s): migrating (%d of %d)", rid,
+                                   decode.url, len(migration.generated), e.message, migration.count,
+                                   self.cfg.max_migrations)
+                    continue
+                if not e.retryable or retries == self.cfg.max_retries:
+                    raise
+                last_error = e
                 self.metrics.retries.labels(e.type).inc()
-                logger.info("rid=%s attempt %d failed (%s), retrying", rid, k + 1, e.message)
+                logger.info("rid=%s attempt %d failed (%s), retrying", rid, run.attempts, e.message)
             finally:
                 await attempt.aclose(cancel_prefill=not ok)
-            await asyncio.sleep(self._backoff(k))
+            await asyncio.sleep(self._backoff(retries))
+            retries += 1
 
     def _pick(self, plan: GenerationPlan, exclude: frozenset[str]) -> tuple[Any, Any]:
         reg = self.registry

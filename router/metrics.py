@@ -55,6 +55,8 @@ class RouterMetrics:
         self.e2e = Histogram("router_e2e_seconds", "request latency, arrival to last byte", ["route"],
                              buckets=_LATENCY_BUCKETS, registry=r)
         self.retries = Counter("router_retries", "attempts retried", ["reason"], registry=r)
+        self.migrations = Counter("router_migrations", "streams moved to a new pair after their decode failed",
+                                  ["reason"], registry=r)
         self.errors = Counter("router_errors", "failed requests by cause", ["cause"], registry=r)
         self.health_checks = Counter("router_health_checks", "health probes by outcome (ok, timeout, refused, "
                                      "reset, status, server_info)", ["role", "result"], registry=r)

@@ -26,8 +26,21 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 VOCAB = 300
 
 
+def next_token(context: list[int]) -> int:
+    """A stub "greedy model": the next token is a function of the context alone, so a request
+    re-issued with prompt + its first k tokens goes on with the same tokens (migration)."""
+    return (sum(context[-4:]) * 31 + len(context) * 7) % (VOCAB - 10) + 10
+
+
+def generate_ids(input_ids: list[int], n: int) -> list[int]:
+    ctx = list(input_ids)
+    for _ in range(n):
+        ctx.append(next_token(ctx))
+    return ctx[len(input_ids):]
+
+
 def token_at(input_ids: list[int], i: int) -> int:
-    return (sum(input_ids) * 31 + i * 7) % (VOCAB - 10) + 10
+    return generate_ids(input_ids, i + 1)[i]
 
 
 def token_text(t: int) -> str:
@@ -121,7 +134,7 @@ def build_app(role: str, behavior: Behavior) -> FastAPI:
         sp = body.get("sampling_params") or {}
         ids = body["input_ids"]
         n = 0 if role == "prefill" else int(sp.get("max_new_tokens", 128))
-        tokens = [token_at(ids, i) for i in range(n)]
+        tokens = generate_ids(ids, n)
         finish: dict[str, Any] = {"type": "length", "length": n}
         text = "".join(token_text(t) for t in tokens)
         for stop in sp.get("stop") or []:
