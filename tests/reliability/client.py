@@ -169,6 +169,8 @@ class RouterOutcome:
     output_ids: list[int] = field(default_factory=list)
     error: str | None = None
     done_at: float | None = None
+    finish_reason: str | None = None
+    done_events: int = 0  # `data: [DONE]` lines
 
 
 async def router_stream(client: httpx.AsyncClient, url: str, prompt: list[int], max_new: int) -> RouterOutcome:
@@ -189,6 +191,11 @@ async def router_stream(client: httpx.AsyncClient, url: str, prompt: list[int], 
                     if "error" in ev:
                         out.error = json.dumps(ev["error"])
                     out.output_ids += ev.get("output_ids", [])
+                    fr = (ev.get("meta_info") or {}).get("finish_reason")
+                    if fr:
+                        out.finish_reason = fr.get("type")
+                elif line == "data: [DONE]":
+                    out.done_events += 1
     except httpx.HTTPError as e:
         out.error = f"{type(e).__name__}: {e}"
     finally:
