@@ -9,6 +9,8 @@
           on from a new pair with prompt + the tokens sent, max_new_tokens reduced
         otherwise the error is final
       everything under one deadline (request_timeout) -> 504
+    before the first attempt: Admission.admit (router/admission.py), the bounded wait for a
+      decode with room; the decode is then picked among those with room
     RequestRun.first() -> first event or ApiError (nothing was sent to the client yet)
     RequestRun.batches() -> the remaining events; a failure after the first event comes out
                             as an UpstreamError (the caller reports it in-band)
@@ -22,8 +24,10 @@ import logging
 import random
 import secrets
 from collections.abc import AsyncIterator
+from functools import partial
 from typing import Any
 
+from router.admission import Admission, has_room
 from router.config import RouterConfig
 from router.errors import ApiError, UpstreamError
 from router.http_client import HttpClient
@@ -81,10 +85,12 @@ class RequestRun:
 
 
 class Dispatcher:
-    def __init__(self, cfg: RouterConfig, registry: WorkerRegistry, metrics: RouterMetrics) -> None:
+    def __init__(self, cfg: RouterConfig, registry: WorkerRegistry, metrics: RouterMetrics,
+                 admission: Admission) -> None:
         self.cfg = cfg
         self.registry = registry
         self.metrics = metrics
+        self.admission = admission
         self.client: HttpClient | None = None
         self.background: set[asyncio.Task[Any]] = set()
 
@@ -128,6 +134,7 @@ class Dispatcher:
         last_error: UpstreamError | None = None
         migration = Migration(plan, self.cfg.max_migrations)
         retries = 0
+        await self.admission.admit(plan)
         while True:
             try:
                 decode, prefill = self._pick(migration.plan, frozenset(exclude))
@@ -169,15 +176,17 @@ class Dispatcher:
                 logger.info("rid=%s attempt %d failed (%s), retrying", rid, run.attempts, e.message)
             finally:
                 await attempt.aclose(cancel_prefill=not ok)
+                self.admission.notify()
             await asyncio.sleep(self._backoff(retries))
             retries += 1
 
     def _pick(self, plan: GenerationPlan, exclude: frozenset[str]) -> tuple[Any, Any]:
         reg = self.registry
+        tokens = len(plan.input_ids) + plan.max_new_tokens
         if not self.cfg.disaggregated:
-            return reg.select("colocated", plan.input_ids, exclude), None
+            return reg.select("colocated", plan.input_ids, exclude, prefer=partial(has_room, tokens=tokens)), None
         prefill = reg.select("prefill", plan.input_ids, exclude)
-        decode = reg.select("decode", plan.input_ids, exclude)
+        decode = reg.select("decode", plan.input_ids, exclude, prefer=partial(has_room, tokens=tokens))
         return decode, prefill
 
     def _backoff(self, k: int) -> float:

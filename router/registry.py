@@ -13,7 +13,7 @@ answering 503; `panic_picks` counts it per role.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from router.breaker import CircuitBreaker
 from router.config import Role, RouterConfig, WorkerSpec
@@ -86,8 +86,10 @@ class WorkerRegistry:
     def available(self, role: Role) -> list[Worker]:
         return [w for w in self._workers[role] if w.available]
 
-    def select(self, role: Role, input_ids: Sequence[int], exclude: frozenset[str] = frozenset()) -> Worker:
-        """Pick an available worker of `role`, avoiding `exclude` (earlier failed attempts) if possible.
+    def select(self, role: Role, input_ids: Sequence[int], exclude: frozenset[str] = frozenset(),
+               prefer: Callable[[Worker], bool] | None = None) -> Worker:
+        """Pick an available worker of `role`, avoiding `exclude` (earlier failed attempts) if possible,
+        among those `prefer` accepts (decodes with room) if any.
 
         Raises ApiError 503 if none is available."""
         candidates = self.available(role)
@@ -106,6 +108,8 @@ class WorkerRegistry:
                 code="no_healthy_worker",
             )
         preferred = [w for w in candidates if w.url not in exclude] if exclude else candidates
+        if prefer is not None:
+            preferred = [w for w in preferred if prefer(w)] or preferred
         return self.policies[role].select(preferred or candidates, input_ids)
 
     def _panic_candidates(self, role: Role) -> list[Worker]:

@@ -16,6 +16,7 @@ from urllib.parse import urlsplit
 from router.breaker import BreakerState, CircuitBreaker
 from router.config import Role
 from router.health_state import HealthState
+from router.live_load import LiveLoad
 
 
 class Worker:
@@ -32,6 +33,7 @@ class Worker:
         self.total_requests = 0
         self.total_failures = 0
         self.removed = False
+        self.live = LiveLoad()  # the worker's own load report (router/load.py)
 
     @property
     def available(self) -> bool:
@@ -60,6 +62,7 @@ class Worker:
         self.in_flight_requests += 1
         self.in_flight_tokens += tokens
         self.total_requests += 1
+        self.live.on_dispatch(tokens)
         self.breaker.on_dispatch()
         return LoadGuard(self, tokens)
 
@@ -79,6 +82,7 @@ class Worker:
             "in_flight_tokens": self.in_flight_tokens,
             "total_requests": self.total_requests,
             "total_failures": self.total_failures,
+            "load_report": self.live.describe(),
         }
 
     def __repr__(self) -> str:

@@ -452,6 +452,11 @@ class Scheduler:
             "num_decode_steps_total": float(self.num_decode_steps),
             "num_prefill_steps_total": float(self.num_prefill_steps),
             "prompt_tokens_total": float(self.num_prompt_tokens),
+            # the router's load report (GET /get_load): queued prompt work and the measured rate
+            "num_waiting_tokens": float(sum(len(r.origin_input_ids) for r in self.waiting)
+                                        + (len(self.chunked.fill_ids) - self.chunked.kv_len if self.chunked else 0)),
+            "busy_seconds_total": self.busy_seconds,
+            "max_running_requests": float(self.cfg.max_running_requests),
             "cache_hit_rate": self.num_cached_prompt_tokens / max(1, self.num_prompt_tokens + self.num_cached_prompt_tokens),
         }
         s.update(self.kv.stats())

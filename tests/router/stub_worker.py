@@ -58,6 +58,8 @@ class Behavior:
     health_status: int = 200
     bootstrap_port: int | None = None  # reported in /server_info (prefill)
     events_per_token: bool = True  # False: one event with all tokens
+    max_running_requests: int = 0  # reported by GET /get_load (0: no limit)
+    kv_total_tokens: int = 1 << 20  # reported by GET /get_load
 
 
 @dataclass
@@ -73,6 +75,8 @@ class Stats:
     header_rids: list[str] = field(default_factory=list)
     inputs: list[list[int]] = field(default_factory=list)
     last_body: dict[str, Any] | None = None
+    running: int = 0  # /generate requests in progress
+    max_running: int = 0  # the most at once
 
 
 def build_app(role: str, behavior: Behavior) -> FastAPI:
@@ -90,6 +94,14 @@ def build_app(role: str, behavior: Behavior) -> FastAPI:
     @app.get("/server_info")
     async def server_info() -> dict[str, Any]:
         return {"disaggregation_mode": role, "bootstrap_port": state["b"].bootstrap_port, "context_length": 1024}
+
+    @app.get("/get_load")
+    async def get_load() -> dict[str, Any]:
+        b: Behavior = state["b"]
+        running = state["s"].running
+        return {"num_running_reqs": running, "num_queued_reqs": 0, "num_queued_tokens": 0,
+                "kv_free_tokens": b.kv_total_tokens, "kv_total_tokens": b.kv_total_tokens,
+                "max_running_requests": b.max_running_requests, "prompt_tokens_total": 0, "busy_seconds_total": 0.0}
 
     @app.post("/stub/control")
     async def control(request: Request) -> dict[str, Any]:
@@ -110,6 +122,26 @@ def build_app(role: str, behavior: Behavior) -> FastAPI:
 
     @app.post("/generate")
     async def generate(request: Request) -> Response:
+        s: Stats = state["s"]
+        s.running += 1
+        s.max_running = max(s.max_running, s.running)
+
+        def done() -> None:
+            s.running -= 1
+
+        try:
+            resp = await _generate(request)
+        except BaseException:
+            done()
+            raise
+        if isinstance(resp, _StreamThenCount):
+            first = resp.after
+            resp.after = lambda: (first(), done())  # type: ignore[assignment, func-returns-value]
+        else:
+            done()
+        return resp
+
+    async def _generate(request: Request) -> Response:
         b: Behavior = state["b"]
         s: Stats = state["s"]
         body = json.loads(await request.body())
