@@ -20,7 +20,7 @@ from urllib.parse import urlsplit
 from common.server.liveness import HEALTH_ANSWER_BOUND_S
 
 Role = Literal["prefill", "decode", "colocated"]
-POLICIES = ("round_robin", "random", "power_of_two", "cache_aware")
+POLICIES = ("round_robin", "random", "power_of_two", "cache_aware", "load_aware")
 
 
 def normalize_url(url: str) -> str:

@@ -39,6 +39,7 @@ class WorkerRegistry:
         self.policies: dict[Role, Policy] = {
             r: make_policy(
                 policy_names[r],
+                role=r,
                 cache_threshold=cfg.cache_threshold,
                 balance_abs=cfg.balance_abs_threshold,
                 balance_rel=cfg.balance_rel_threshold,
