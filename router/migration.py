@@ -11,10 +11,12 @@
 What holds after a migration (README "Request migration"): no gap, no repeated token and
 one [DONE]; greedy outputs equal the unmigrated request's (the prefix is recomputed by a
 prefill; parity holds in fp32); usage counts the original prompt and every generated token.
-Not kept across a migration: a seeded sampler's noise position (the new worker counts its
-steps from 0, so a seeded stream stays deterministic but may differ from the unmigrated
-one), frequency/presence penalties over the tokens before the cut (they become prompt), a
-stop string that spans the cut, and text a worker held back at the cut (an incomplete
+A seeded sampler continues from the same position: its noise is a function of (seed, step)
+(common/model/sampler.py: splitmix64 of seed * C + step + 1), and the new worker counts steps
+from 0, so the migrated request carries seed + k * C^-1 (mod 2^64) and its step j draws the
+noise of step k + j; with the same logits it samples the same tokens. Not kept across a
+migration: frequency/presence penalties over the tokens before the cut (they become prompt),
+a stop string that spans the cut, and text a worker held back at the cut (an incomplete
 UTF-8 character or a possible stop-string start).
 """
 
@@ -28,6 +30,15 @@ import msgspec
 from router.errors import UpstreamError
 from router.plan import GenerationPlan
 from router.upstream import WorkerEvent
+
+_MASK64 = (1 << 64) - 1
+_SEED_MUL_INV = pow(0x9E3779B97F4A7C15, -1, 1 << 64)  # the sampler's seed multiplier, inverted
+
+
+def shifted_seed(seed: int, steps: int) -> int:
+    """The seed whose step j draws the noise `seed` draws at step `steps` + j (signed 64-bit)."""
+    x = (seed + steps * _SEED_MUL_INV) & _MASK64
+    return x - (1 << 64) if x >= 1 << 63 else x
 
 
 class Migration:
@@ -62,6 +73,8 @@ class Migration:
         o = self.origin
         sampling = dict(o.sampling_params)
         sampling["max_new_tokens"] = o.max_new_tokens - self._offset
+        if sampling.get("seed") is not None:
+            sampling["seed"] = shifted_seed(int(o.sampling_params["seed"]), self._offset)
         if "min_new_tokens" in sampling:
             sampling["min_new_tokens"] = max(0, int(sampling["min_new_tokens"] or 0) - self._offset)
         self.plan = dataclasses.replace(o, input_ids=[*o.input_ids, *self.generated], sampling_params=sampling,

@@ -76,3 +76,14 @@ def test_migration_continues_the_stream(cluster: Cluster) -> None:
     assert "".join(c["choices"][0]["text"] for c in chunks) == "".join(token_text(t) for t in want)
     for r in (r0, r1):
         assert all(w["in_flight_requests"] == 0 for w in r.workers().values())
+
+
+def test_shifted_seed_continues_the_sampler_noise() -> None:
+    from common.model.sampler import _mix
+    from router.migration import shifted_seed
+
+    for seed in (0, 1, 42, -5, 2**63 - 1, -(2**63)):
+        for k in (1, 7, 1000):
+            s = shifted_seed(seed, k)
+            assert -(2**63) <= s < 2**63
+            assert [_mix(s, j) for j in range(5)] == [_mix(seed, k + j) for j in range(5)]
