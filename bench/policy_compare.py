@@ -9,12 +9,14 @@ routers over those same instances, one per policy (--policy for both roles). ben
 replays the same skewed workload (half the prompts behind one long shared prefix) on each
 router, interleaved in --rounds (round k starts at router k), so load drift on a shared box
 hits every policy alike. Default model: a tiny random llama (routing is what is measured).
-Prints serving.py's table and its RESULT line (TTFT p50/p99 and goodput per policy).
+Prints serving.py's table, where each policy sent the prompts (requests per prefill), the CPU,
+and a last RESULT line: serving.py's result (TTFT p50/p99, goodput per policy) plus that split.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import socket
 import subprocess
@@ -64,6 +66,16 @@ class Proc:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
         self.log.close()
+
+
+def cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "unknown CPU"
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -117,7 +129,9 @@ def main(argv: list[str] | None = None) -> int:
         import serving
 
         print(f"logs: {log_dir}", flush=True)
-        return serving.main([
+        out_file = log_dir / "serving.json"
+        rc = serving.main([
+            "--output-file", str(out_file),
             "--compare", *(f"{policy}={url}" for policy, url in routers), "--rounds", str(args.rounds),
             "--tokenizer", model, "--dataset", "skewed", "--num-prompts", str(args.num_prompts),
             "--gsp-system-prompt-len", str(args.prefix_len), "--gsp-question-len", "32",
@@ -125,6 +139,18 @@ def main(argv: list[str] | None = None) -> int:
             "--random-range-ratio", "0.25", "--request-rate", str(args.request_rate),
             "--slo-ttft-ms", str(args.slo_ttft_ms), "--disable-tqdm", "--warmup-requests", "2",
         ])
+        if rc != 0:
+            return rc
+        result = json.loads(out_file.read_text())["result"]
+        names = {url: name for (url, _), name in zip(prefills, ("fast", "slow"), strict=True)}
+        for policy, url in routers:  # where each policy sent the prompts
+            workers = httpx.get(url + "/workers", timeout=10).json()["workers"]
+            sent = {names[w["url"]]: w["total_requests"] for w in workers if w["url"] in names}
+            result[policy]["prefill_requests"] = sent
+            print(f"{policy}: prefill requests {sent}")
+        print(f"CPU: {cpu_name()}, {os.cpu_count()} cores; slow prefill: +{args.slow_step_s:g} s per forward")
+        print("RESULT " + json.dumps(result))
+        return 0
     finally:
         for p in reversed(procs):
             p.stop()

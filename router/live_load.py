@@ -33,7 +33,7 @@ class LiveLoad:
     def apply(self, report: LoadReport, asked_at: float, sent_tokens: int = 0, sent_reqs: int = 0) -> None:
         prev = self.report
         if prev is not None:
-            busy = report.busy_seconds_total - prev.busy_seconds_total
+            busy = report.step_seconds_total - prev.step_seconds_total
             done = report.prompt_tokens_total - prev.prompt_tokens_total
             if busy >= MIN_BUSY_SAMPLE_S and done > 0:
                 sample = done / busy

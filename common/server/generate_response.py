@@ -68,7 +68,8 @@ class LoadReport(msgspec.Struct, kw_only=True):
 
     queued: requests not running yet (waiting; prefill's bootstrap queue; decode's prealloc and
     transfer queues); queued_tokens: prompt tokens still to compute; kv_free_tokens: free plus
-    evictable cached KV slots; busy_seconds_total / prompt_tokens_total: the measured prefill rate."""
+    evictable cached KV slots; prompt_tokens_total / step_seconds_total (engine steps' wall time,
+    forwards included): the measured prefill rate."""
 
     num_running_reqs: int
     num_queued_reqs: int
@@ -77,7 +78,7 @@ class LoadReport(msgspec.Struct, kw_only=True):
     kv_total_tokens: int
     max_running_requests: int
     prompt_tokens_total: int
-    busy_seconds_total: float
+    step_seconds_total: float
 
     @classmethod
     def from_stats(cls, s: dict[str, float]) -> LoadReport:
@@ -92,5 +93,5 @@ class LoadReport(msgspec.Struct, kw_only=True):
             kv_total_tokens=int(s.get("kv_pages_total", 0) * page),
             max_running_requests=int(s.get("max_running_requests", 0)),
             prompt_tokens_total=int(s.get("prompt_tokens_total", 0)),
-            busy_seconds_total=float(s.get("busy_seconds_total", 0.0)),
+            step_seconds_total=float(s.get("step_seconds_total", 0.0)),
         )

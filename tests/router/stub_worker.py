@@ -101,7 +101,7 @@ def build_app(role: str, behavior: Behavior) -> FastAPI:
         running = state["s"].running
         return {"num_running_reqs": running, "num_queued_reqs": 0, "num_queued_tokens": 0,
                 "kv_free_tokens": b.kv_total_tokens, "kv_total_tokens": b.kv_total_tokens,
-                "max_running_requests": b.max_running_requests, "prompt_tokens_total": 0, "busy_seconds_total": 0.0}
+                "max_running_requests": b.max_running_requests, "prompt_tokens_total": 0, "step_seconds_total": 0.0}
 
     @app.post("/stub/control")
     async def control(request: Request) -> dict[str, Any]:

@@ -188,7 +188,7 @@ def test_config_from_args() -> None:
 def _report(**kw: float) -> LoadReport:
     base = {"num_running_reqs": 0, "num_queued_reqs": 0, "num_queued_tokens": 0, "kv_free_tokens": 10_000,
             "kv_total_tokens": 10_000, "max_running_requests": 0, "prompt_tokens_total": 0,
-            "busy_seconds_total": 0.0}
+            "step_seconds_total": 0.0}
     return LoadReport(**{**base, **kw})  # type: ignore[arg-type]
 
 
@@ -196,16 +196,16 @@ def test_load_aware_prefill_prices_queue_rate_and_prefix() -> None:
     slow, fast = workers(2)
     for w, tokens_per_s in ((slow, 100), (fast, 1000)):
         w.live.apply(_report(), 0.0)
-        w.live.apply(_report(prompt_tokens_total=1000, busy_seconds_total=1000 / tokens_per_s), 1.0)
+        w.live.apply(_report(prompt_tokens_total=1000, step_seconds_total=1000 / tokens_per_s), 1.0)
     assert slow.live.prefill_rate == pytest.approx(100) and fast.live.prefill_rate == pytest.approx(1000)
     pol = make_policy("load_aware", role="prefill")
     prompt = list(range(500))
     assert pol.select([slow, fast], prompt) is fast  # 0.5 s against 5 s
-    fast.live.apply(_report(num_queued_tokens=10_000, prompt_tokens_total=1000, busy_seconds_total=1.0), 2.0)
+    fast.live.apply(_report(num_queued_tokens=10_000, prompt_tokens_total=1000, step_seconds_total=1.0), 2.0)
     assert pol.select([slow, fast], list(range(1000, 1500))) is slow  # 10.5 s queued against 5 s
     # the slow worker now holds that prompt's prefix: a request sharing it costs it ~nothing
-    slow.live.apply(_report(num_queued_tokens=0, prompt_tokens_total=1000, busy_seconds_total=10.0), 3.0)
-    fast.live.apply(_report(num_queued_tokens=0, prompt_tokens_total=1000, busy_seconds_total=1.0), 3.0)
+    slow.live.apply(_report(num_queued_tokens=0, prompt_tokens_total=1000, step_seconds_total=10.0), 3.0)
+    fast.live.apply(_report(num_queued_tokens=0, prompt_tokens_total=1000, step_seconds_total=1.0), 3.0)
     assert pol.select([slow, fast], [*range(1000, 1500), 7]) is slow  # 1 token at 100/s beats 501 at 1000/s
     # sent since the report counts as queued
     fast.acquire(100_000)
