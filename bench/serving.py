@@ -28,9 +28,15 @@ from serving_client import BACKENDS, StreamingClient, first_model_id
 from serving_metrics import Slo, ratios, summarize
 from serving_report import RunReport, format_table, write_json, write_plot
 from serving_runner import LoadConfig, LoadRunner
-from serving_workloads import Workload, multi_turn_workload, random_workload, shared_prefix_workload
+from serving_workloads import (
+    Workload,
+    multi_turn_workload,
+    random_workload,
+    shared_prefix_workload,
+    skewed_workload,
+)
 
-DATASETS = ("random", "generated-shared-prefix", "multi-turn")
+DATASETS = ("random", "generated-shared-prefix", "multi-turn", "skewed")
 
 
 class Endpoint(NamedTuple):
@@ -56,6 +62,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--gsp-system-prompt-len", type=int, default=1024)
     p.add_argument("--gsp-question-len", type=int, default=64)
     p.add_argument("--gsp-output-len", type=int, default=128)
+    p.add_argument("--rounds", type=int, default=1,
+                   help="--compare: run the workload this many times per endpoint, interleaved (round k "
+                        "starts at endpoint k), and summarise each endpoint over all its rounds")
     p.add_argument("--mt-num-conversations", type=int, default=16)
     p.add_argument("--mt-turns", type=int, default=4)
     p.add_argument("--mt-question-len", type=int, default=64)
@@ -112,6 +121,9 @@ def build_workload(args: argparse.Namespace, tok: Any) -> Workload:
     if args.dataset == "random":
         return random_workload(tok, args.num_prompts or 200, args.random_input_len, args.random_output_len,
                                args.random_range_ratio, args.seed)
+    if args.dataset == "skewed":  # prefix: --gsp-system-prompt-len, question: --gsp-question-len
+        return skewed_workload(tok, args.num_prompts or 200, args.gsp_system_prompt_len, args.gsp_question_len,
+                               args.random_input_len, args.random_output_len, args.random_range_ratio, args.seed)
     if args.dataset == "generated-shared-prefix":
         w = shared_prefix_workload(tok, args.gsp_num_groups, args.gsp_prompts_per_group,
                                    args.gsp_system_prompt_len, args.gsp_question_len, args.gsp_output_len,
@@ -135,18 +147,30 @@ async def run_endpoint(args: argparse.Namespace, ep: Endpoint, workload: Workloa
     return RunReport(ep.label, ep.url, model, summary, res.records)
 
 
+def merge_rounds(reports: list[RunReport], slo: Slo) -> RunReport:
+    """One endpoint's rounds as one run: every record, the durations added."""
+    if len(reports) == 1:
+        return reports[0]
+    records = [r for rep in reports for r in rep.records]
+    summary = summarize(records, sum(rep.summary.duration_s for rep in reports), slo)
+    first = reports[0]
+    return RunReport(first.label, first.base_url, first.model, summary, records)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     eps = endpoints(args)
     tok = load_tokenizer(args, eps[0].url)
     workload = build_workload(args, tok)
-    runs: list[RunReport] = []
-    for ep in eps:
-        try:
-            runs.append(asyncio.run(run_endpoint(args, ep, workload, tok)))
-        except RuntimeError as e:
-            print(f"error: [{ep.label}] {e}", file=sys.stderr)
-            return 1
+    rounds: dict[str, list[RunReport]] = {ep.label: [] for ep in eps}
+    for k in range(max(1, args.rounds)):
+        for ep in eps[k % len(eps):] + eps[: k % len(eps)]:
+            try:
+                rounds[ep.label].append(asyncio.run(run_endpoint(args, ep, workload, tok)))
+            except RuntimeError as e:
+                print(f"error: [{ep.label}] {e}", file=sys.stderr)
+                return 1
+    runs = [merge_rounds(rounds[ep.label], Slo(args.slo_ttft_ms, args.slo_tpot_ms)) for ep in eps]
     title = f"Serving benchmark: {workload.name}, {workload.num_requests} requests, {args.backend}"
     print(format_table(runs, title))
     if len(runs) == 1:

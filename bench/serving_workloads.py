@@ -3,6 +3,8 @@
     random                   one user prompt per request, lengths uniform in [mean*(1-r), mean*(1+r)]
     generated-shared-prefix  G groups x P questions; every question of a group behind one long
                              system prompt (radix cache hits, cache-aware routing)
+    skewed                   half the prompts behind one long shared prefix, half random
+                             (a cache-aware router piles the shared half onto one worker)
     multi-turn               C conversations x T turns; turn k resends the whole history
                              (q0, a0, ..., q_k), so its prompt grows by the previous answer
 
@@ -154,6 +156,25 @@ def shared_prefix_workload(tokenizer: Any, num_groups: int, prompts_per_group: i
             reqs.append(RequestInput(msgs, len(sys_ids) + len(q_ids), output_len, tuple(sys_ids + q_ids), g))
     rng.shuffle(reqs)
     return Workload("generated-shared-prefix", requests=reqs)
+
+
+def skewed_workload(tokenizer: Any, num_prompts: int, prefix_len: int, question_len: int, input_len: int,
+                    output_len: int, range_ratio: float, seed: int) -> Workload:
+    """num_prompts // 2 share one prefix (group 0) plus a question; the rest are random (group -1)."""
+    rng = random.Random(seed)
+    sampler = TokenSampler(tokenizer, rng)
+    prefix, prefix_ids = sampler.text(prefix_len)
+    reqs = []
+    for i in range(num_prompts):
+        if i % 2 == 0:
+            question, q_ids = sampler.text(question_len)
+            msgs = (Message("system", prefix), Message("user", question))
+            reqs.append(RequestInput(msgs, len(prefix_ids) + len(q_ids), output_len, tuple(prefix_ids + q_ids), 0))
+        else:
+            text, ids = sampler.text(draw_len(rng, input_len, range_ratio))
+            reqs.append(RequestInput((Message("user", text),), len(ids), output_len, tuple(ids)))
+    rng.shuffle(reqs)
+    return Workload("skewed", requests=reqs)
 
 
 def multi_turn_workload(tokenizer: Any, num_conversations: int, turns: int, question_len: int,

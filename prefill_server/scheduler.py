@@ -180,6 +180,7 @@ class PrefillScheduler(Scheduler):
     def stats(self) -> dict[str, float]:
         s = super().stats()
         s["num_bootstrap_queue_reqs"] = float(len(self.bootstrap_queue))
+        s["num_waiting_tokens"] += float(sum(len(r.origin_input_ids) for r in self.bootstrap_queue))
         s["num_inflight_queue_reqs"] = float(len(self.inflight))
         s["num_transfer_failures_total"] = float(self.num_transfer_failures)
         s["kv_pages_skipped_total"] = float(self.num_pages_skipped)

@@ -24,6 +24,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from common.server.generate_request import GenerateRequestBody
 from common.server.generate_response import ErrorResponse, GenerateResponse
 from common.server.openapi import ApiRoute, mount_openapi, openapi_document
+from router.admission import Admission
 from router.config import RouterConfig, WorkerSpec, normalize_url
 from router.dispatcher import Dispatcher
 from router.errors import ApiError, bad_request
@@ -31,6 +32,7 @@ from router.fields import decode_json_object, get_int, get_str
 from router.handlers import GenerationHandler, json_response, read_body
 from router.health import HealthChecker
 from router.kv_index import KVIndexes
+from router.load import LoadMonitor
 from router.metrics import RouterMetrics
 from router.model_info import ModelInfo
 from router.openai_request import RequestParser
@@ -56,7 +58,11 @@ class Router:
         self.kv_indexes = KVIndexes()
         self.registry = WorkerRegistry(cfg, self.kv_indexes.cached_tokens)
         self.metrics = RouterMetrics(self.registry)
-        self.dispatcher = Dispatcher(cfg, self.registry, self.metrics, self.kv_indexes)
+        self.admission = Admission(cfg, self.registry, self.metrics)
+        self.metrics.watch_admission(self.admission)
+        self.dispatcher = Dispatcher(cfg, self.registry, self.metrics, self.admission, self.kv_indexes)
+        self.load = LoadMonitor(self.registry, cfg.load_report_interval, cfg.health_check_timeout,
+                                self.admission.notify)
         probe_ids = self.model.encode("ping")[:4]
         self.health = HealthChecker(cfg, self.registry, self.metrics, probe_ids, self.kv_indexes)
         self.parser = RequestParser(self.model, cfg.default_max_tokens_cap, cfg.incremental_streaming_output)
@@ -66,8 +72,11 @@ class Router:
     async def start(self) -> None:
         self.dispatcher.open()
         self.health.start()
+        if self.cfg.load_report_interval > 0:
+            self.load.start()
 
     async def stop(self) -> None:
+        await self.load.stop()
         await self.health.stop()
         await self.dispatcher.close()
         await self.kv_indexes.close()
@@ -99,7 +108,7 @@ def build_app(cfg: RouterConfig, model: ModelInfo | None = None) -> FastAPI:
 
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, exc: ApiError) -> Response:
-        return json_response(exc.encode(), exc.status, request.headers.get("x-request-id"))
+        return json_response(exc.encode(), exc.status, request.headers.get("x-request-id"), exc.retry_after)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> Response:

@@ -20,7 +20,7 @@ from urllib.parse import urlsplit
 from common.server.liveness import HEALTH_ANSWER_BOUND_S
 
 Role = Literal["prefill", "decode", "colocated"]
-POLICIES = ("round_robin", "random", "power_of_two", "cache_aware")
+POLICIES = ("round_robin", "random", "power_of_two", "cache_aware", "load_aware")
 
 
 def normalize_url(url: str) -> str:
@@ -83,6 +83,10 @@ class RouterConfig:
     request_timeout: float = 600.0
     connect_timeout: float = 5.0
     max_retries: int = 3
+    max_migrations: int = 1  # a stream whose decode fails after the first byte moves to a new pair (0: off)
+    max_queued_requests: int = 1024  # requests waiting for a decode with room; beyond it 503 at once
+    queue_timeout: float = 60.0  # seconds a request may wait for room, then 503
+    load_report_interval: float = 0.25  # seconds between GET /get_load rounds (0: no load reports)
     retry_backoff_initial: float = 0.02
     retry_backoff_max: float = 1.0
     health_check_interval: float = 5.0
@@ -133,6 +137,10 @@ class RouterConfig:
         for name in ("prefill_policy", "decode_policy"):
             if getattr(self, name) not in POLICIES:
                 raise ValueError(f"{name} must be one of {POLICIES}, got {getattr(self, name)!r}")
+        if self.max_migrations < 0 or self.max_queued_requests < 0 or self.load_report_interval < 0:
+            raise ValueError("max_migrations, max_queued_requests and load_report_interval must be >= 0")
+        if self.queue_timeout <= 0:
+            raise ValueError("queue_timeout must be > 0")
         if self.max_retries < 0 or self.request_timeout <= 0 or self.health_check_interval <= 0:
             raise ValueError("max_retries must be >= 0, request_timeout and health_check_interval > 0")
         if min(self.health_failure_threshold, self.health_success_threshold) < 1:
@@ -205,10 +213,14 @@ def build_parser() -> argparse.ArgumentParser:
         "breaker_open_seconds",
         "cache_threshold",
         "balance_rel_threshold",
+        "queue_timeout",
+        "load_report_interval",
     ):
         p.add_argument("--" + name.replace("_", "-"), type=float, default=d[name])
     for name in (
         "max_retries",
+        "max_migrations",
+        "max_queued_requests",
         "health_failure_threshold",
         "health_success_threshold",
         "breaker_failure_threshold",

@@ -4,8 +4,13 @@
       attempt k: pick P (prefill policy) and D (decode policy), new room, Attempt.events()
         UpstreamError before the first event was handed out, retryable, k < max_retries
           -> back off (exponential, jittered), exclude the blamed worker, try again
+        UpstreamError after events went out (a stream), blamed on decode, retryable, and
+        --max-migrations not used up -> migrate (router/migration.py): the same stream goes
+          on from a new pair with prompt + the tokens sent, max_new_tokens reduced
         otherwise the error is final
       everything under one deadline (request_timeout) -> 504
+    before the first attempt: Admission.admit (router/admission.py), the bounded wait for a
+      decode with room; the decode is then picked among those with room
     RequestRun.first() -> first event or ApiError (nothing was sent to the client yet)
     RequestRun.batches() -> the remaining events; a failure after the first event comes out
                             as an UpstreamError (the caller reports it in-band)
@@ -19,13 +24,16 @@ import logging
 import random
 import secrets
 from collections.abc import AsyncIterator
+from functools import partial
 from typing import Any
 
+from router.admission import Admission, has_room
 from router.config import RouterConfig
 from router.errors import ApiError, UpstreamError
 from router.http_client import HttpClient
 from router.kv_index import KVIndexes
 from router.metrics import RouterMetrics
+from router.migration import Migration
 from router.pair_choice import PairChooser
 from router.plan import GenerationPlan
 from router.registry import WorkerRegistry
@@ -80,10 +88,11 @@ class RequestRun:
 
 class Dispatcher:
     def __init__(self, cfg: RouterConfig, registry: WorkerRegistry, metrics: RouterMetrics,
-                 kv_indexes: KVIndexes) -> None:
+                 admission: Admission, kv_indexes: KVIndexes) -> None:
         self.cfg = cfg
         self.registry = registry
         self.metrics = metrics
+        self.admission = admission
         self.pairs = PairChooser(cfg, registry, kv_indexes.cached_tokens)
         self.client: HttpClient | None = None
         self.background: set[asyncio.Task[Any]] = set()
@@ -126,41 +135,59 @@ class Dispatcher:
         put = run.queue.put_nowait
         exclude: set[str] = set()
         last_error: UpstreamError | None = None
-        for k in range(self.cfg.max_retries + 1):
+        migration = Migration(plan, self.cfg.max_migrations)
+        retries = 0
+        await self.admission.admit(plan)
+        while True:
             try:
-                decode, prefill = self._pick(plan, frozenset(exclude))
+                decode, prefill = self._pick(migration.plan, frozenset(exclude))
             except ApiError:
                 if last_error is not None:
                     raise last_error from None
                 raise
-            run.attempts = k + 1
-            attempt = Attempt(self.client, plan, rid if k == 0 else f"{rid}.r{k}", decode, prefill,
-                              secrets.randbits(63), self.background)
+            run.attempts += 1
+            name = rid if run.attempts == 1 else f"{rid}.{'m' if migration.count else 'r'}{run.attempts - 1}"
+            attempt = Attempt(self.client, migration.plan, name, decode, prefill, secrets.randbits(63),
+                              self.background)
             sent = False
             ok = False
             try:
                 async for ev in attempt.events():
+                    ev = migration.adapt(ev)
+                    migration.record(ev)
                     put(ev)
                     sent = True
                 ok = True
                 return
             except UpstreamError as e:
                 attempt.fail(e)
-                if sent or not e.retryable or k == self.cfg.max_retries:
-                    raise
-                last_error = e
                 if e.worker_url:
                     exclude.add(e.worker_url)
+                if sent:
+                    if not migration.allows(e, decode.url):
+                        raise
+                    migration.next_plan()
+                    self.metrics.migrations.labels(e.type).inc()
+                    logger.warning("rid=%s decode %s failed after %d tokens (%s): migrating (%d of %d)", rid,
+                                   decode.url, len(migration.generated), e.message, migration.count,
+                                   self.cfg.max_migrations)
+                    continue
+                if not e.retryable or retries == self.cfg.max_retries:
+                    raise
+                last_error = e
                 self.metrics.retries.labels(e.type).inc()
-                logger.info("rid=%s attempt %d failed (%s), retrying", rid, k + 1, e.message)
+                logger.info("rid=%s attempt %d failed (%s), retrying", rid, run.attempts, e.message)
             finally:
                 await attempt.aclose(cancel_prefill=not ok)
-            await asyncio.sleep(self._backoff(k))
+                self.admission.notify()
+            await asyncio.sleep(self._backoff(retries))
+            retries += 1
 
     def _pick(self, plan: GenerationPlan, exclude: frozenset[str]) -> tuple[Any, Any]:
+        room = partial(has_room, tokens=len(plan.input_ids) + plan.max_new_tokens)
         if not self.cfg.disaggregated:
-            return self.registry.select("colocated", plan.input_ids, exclude), None
-        pair = self.pairs.choose(plan, exclude)
+            return self.registry.select("colocated", plan.input_ids, exclude, prefer=room), None
+        pair = self.pairs.choose(plan, exclude, room)
         self.metrics.decode_choice.labels(pair.reason, "local" if pair.prefill is None else "prefill").inc()
         return pair.decode, pair.prefill
 

@@ -25,6 +25,7 @@ class ApiError(Exception):
         type: str = "invalid_request_error",
         param: str | None = None,
         code: int | str | None = None,
+        retry_after: int | None = None,
     ) -> None:
         super().__init__(message)
         self.status = status
@@ -32,6 +33,7 @@ class ApiError(Exception):
         self.type = type
         self.param = param
         self.code = code if code is not None else status
+        self.retry_after = retry_after  # seconds, sent as the Retry-After header
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}

@@ -46,9 +46,11 @@ class ClientGone(Exception):
     pass
 
 
-def json_response(body: bytes, status: int, rid: str | None) -> Response:
-    headers = {"X-Request-Id": rid} if rid else None
-    return Response(body, status_code=status, media_type="application/json", headers=headers)
+def json_response(body: bytes, status: int, rid: str | None, retry_after: int | None = None) -> Response:
+    headers = {"X-Request-Id": rid} if rid else {}
+    if retry_after is not None:
+        headers["Retry-After"] = str(retry_after)
+    return Response(body, status_code=status, media_type="application/json", headers=headers or None)
 
 
 async def read_body(request: Request, limit: int) -> bytes:
@@ -188,5 +190,5 @@ class GenerationHandler:
         self.metrics.requests.labels(route, str(e.status)).inc()
         if e.status >= 500:
             logger.warning("rid=%s %s: %d %s", rid, route, e.status, e.message)
-        return json_response(e.encode(), e.status, rid)
+        return json_response(e.encode(), e.status, rid, e.retry_after)
 

@@ -7,12 +7,16 @@ in-flight load) are read from the registry at scrape time by a custom collector.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from router.registry import WorkerRegistry
+
+if TYPE_CHECKING:
+    from router.admission import Admission
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 _ITL_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
@@ -55,6 +59,8 @@ class RouterMetrics:
         self.e2e = Histogram("router_e2e_seconds", "request latency, arrival to last byte", ["route"],
                              buckets=_LATENCY_BUCKETS, registry=r)
         self.retries = Counter("router_retries", "attempts retried", ["reason"], registry=r)
+        self.migrations = Counter("router_migrations", "streams moved to a new pair after their decode failed",
+                                  ["reason"], registry=r)
         self.errors = Counter("router_errors", "failed requests by cause", ["cause"], registry=r)
         self.health_checks = Counter("router_health_checks", "health probes by outcome (ok, timeout, refused, "
                                      "reset, status, server_info)", ["role", "result"], registry=r)
@@ -64,6 +70,12 @@ class RouterMetrics:
                                      "policy) and whether a prefill took part (prefill) or decode prefilled "
                                      "alone from its cache (local)", ["reason", "prefill"], registry=r)
         r.register(_WorkerCollector(registry))
+        self.queued = Gauge("router_queued_requests", "requests waiting for a decode with room", registry=r)
+        self.queue_rejected = Counter("router_queue_rejected", "503s of the admission queue (full, timeout)",
+                                      ["reason"], registry=r)
+
+    def watch_admission(self, admission: Admission) -> None:
+        self.queued.set_function(lambda: admission.waiting)
 
     def render(self) -> bytes:
         return generate_latest(self.prom)

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import hashlib
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from common.cache.kv_events import PromptHashes
@@ -80,9 +80,11 @@ class PairChooser:
         self.cached_tokens = cached_tokens  # KVIndexes.cached_tokens
         self.sessions = SessionAffinity()
 
-    def choose(self, plan: GenerationPlan, exclude: frozenset[str]) -> Pair:
+    def choose(self, plan: GenerationPlan, exclude: frozenset[str],
+               prefer: Callable[[Worker], bool] | None = None) -> Pair:
+        """`prefer`: decodes with room for the request (router/admission.py), when any has."""
         ids = plan.input_ids
-        candidates = self.registry.candidates("decode", exclude)
+        candidates = self.registry.candidates("decode", exclude, prefer)
         hashes: dict[int, PromptHashes] = {}
         cached = {w.url: self.cached_tokens(w, ids, hashes) for w in candidates}
         decode, reason = self._decode(plan, candidates, cached)

@@ -130,9 +130,69 @@ class CacheAwarePolicy(Policy):
         self.tree.remove_worker(url)
 
 
+class LoadAwarePolicy(Policy):
+    """Least predicted time to first token, from the workers' own load reports (router/live_load.py).
+
+    Prefill (and colocated) workers: predicted TTFT = (queued prompt tokens + this prompt - the
+    prefix it already holds) / its measured prefill rate, where queued = its last report plus
+    what this router sent it since, and the prefix hit comes from a prefix tree of what was sent
+    to it, or exactly from its KV events where known (as cache_aware). A worker whose rate is
+    not measured yet gets the mean of the measured ones (all unmeasured: rates equal, so fewest
+    tokens wins). A worker that never reported
+    counts this router's in-flight tokens instead.
+    Decode workers: the registry offers only those with room when any has (router/admission.py);
+    among them the fewest requests (reported running + queued + sent since; else in flight).
+    The pair is priced as the sum of the two, which no other choice couples, so each role's
+    minimum is the pair's.
+    """
+
+    name = "load_aware"
+
+    def __init__(self, role: str, max_tree_tokens: int = 1 << 20, exact_match: ExactMatch | None = None) -> None:
+        self.role = role
+        self.exact_match = exact_match
+        self.tree = PrefixTree(max_tree_tokens) if role != "decode" else None
+
+    def select(self, candidates: Sequence[Worker], input_ids: Sequence[int]) -> Worker:
+        if self.tree is None:
+            return min(candidates, key=_decode_cost)
+        matched = self.tree.match(input_ids) if input_ids and len(candidates) > 1 else {}
+        if self.exact_match is not None and input_ids and len(candidates) > 1:
+            memo: dict[int, PromptHashes] = {}
+            for w in candidates:
+                exact = self.exact_match(w, input_ids, memo)
+                if exact is not None:
+                    matched[w.url] = exact
+        rates = [r for w in candidates if (r := w.live.prefill_rate)]
+        default_rate = sum(rates) / len(rates) if rates else 1.0
+        n = len(input_ids)
+
+        def ttft(w: Worker) -> tuple[float, int]:
+            queued = w.live.queued_tokens if w.live.report is not None else w.in_flight_tokens
+            work = max(0, queued + n - matched.get(w.url, 0))
+            return work / (w.live.prefill_rate or default_rate), w.load
+
+        chosen = min(candidates, key=ttft)
+        if input_ids:
+            self.tree.insert(input_ids, chosen.url)
+        return chosen
+
+    def on_worker_removed(self, url: str) -> None:
+        if self.tree is not None:
+            self.tree.remove_worker(url)
+
+
+def _decode_cost(w: Worker) -> tuple[int, int]:
+    r = w.live.report
+    if r is None:
+        return w.load, w.in_flight_tokens
+    return r.num_running_reqs + r.num_queued_reqs + w.live.sent_reqs + w.health.load_penalty, w.in_flight_tokens
+
+
 def make_policy(
     name: str,
     *,
+    role: str = "decode",
     cache_threshold: float = 0.5,
     balance_abs: int = 32,
     balance_rel: float = 1.5,
@@ -147,4 +207,6 @@ def make_policy(
         return PowerOfTwoPolicy()
     if name == "cache_aware":
         return CacheAwarePolicy(cache_threshold, balance_abs, balance_rel, max_tree_tokens, exact_match)
+    if name == "load_aware":
+        return LoadAwarePolicy(role, max_tree_tokens, exact_match)
     raise ValueError(f"unknown policy {name!r}")

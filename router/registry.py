@@ -13,7 +13,7 @@ answering 503; `panic_picks` counts it per role.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from router.breaker import CircuitBreaker
 from router.config import Role, RouterConfig, WorkerSpec
@@ -39,6 +39,7 @@ class WorkerRegistry:
         self.policies: dict[Role, Policy] = {
             r: make_policy(
                 policy_names[r],
+                role=r,
                 cache_threshold=cfg.cache_threshold,
                 balance_abs=cfg.balance_abs_threshold,
                 balance_rel=cfg.balance_rel_threshold,
@@ -87,15 +88,19 @@ class WorkerRegistry:
     def available(self, role: Role) -> list[Worker]:
         return [w for w in self._workers[role] if w.available]
 
-    def select(self, role: Role, input_ids: Sequence[int], exclude: frozenset[str] = frozenset()) -> Worker:
-        """Pick an available worker of `role`, avoiding `exclude` (earlier failed attempts) if possible.
+    def select(self, role: Role, input_ids: Sequence[int], exclude: frozenset[str] = frozenset(),
+               prefer: Callable[[Worker], bool] | None = None) -> Worker:
+        """Pick an available worker of `role`, avoiding `exclude` (earlier failed attempts) if possible,
+        among those `prefer` accepts (decodes with room) if any.
 
         Raises ApiError 503 if none is available."""
-        return self.policies[role].select(self.candidates(role, exclude), input_ids)
+        return self.policies[role].select(self.candidates(role, exclude, prefer), input_ids)
 
-    def candidates(self, role: Role, exclude: frozenset[str] = frozenset()) -> list[Worker]:
+    def candidates(self, role: Role, exclude: frozenset[str] = frozenset(),
+                   prefer: Callable[[Worker], bool] | None = None) -> list[Worker]:
         """The workers of `role` a pick may choose from: the available ones (else, in panic, the down
-        ones still answering), without `exclude` unless that leaves none. Raises ApiError 503 if none."""
+        ones still answering), without `exclude` unless that leaves none, and of those the ones
+        `prefer` accepts if any. Raises ApiError 503 if none."""
         candidates = self.available(role)
         if candidates:
             if role in self._panicking:
@@ -112,7 +117,10 @@ class WorkerRegistry:
                 code="no_healthy_worker",
             )
         preferred = [w for w in candidates if w.url not in exclude] if exclude else candidates
-        return preferred or candidates
+        preferred = preferred or candidates
+        if prefer is not None:
+            preferred = [w for w in preferred if prefer(w)] or preferred
+        return preferred
 
     def _panic_candidates(self, role: Role) -> list[Worker]:
         out = [w for w in self._workers[role] if w.panic_available]

@@ -17,6 +17,7 @@ from urllib.parse import urlsplit
 from router.breaker import BreakerState, CircuitBreaker
 from router.config import Role
 from router.health_state import HealthState
+from router.live_load import LiveLoad
 
 
 @dataclass(frozen=True)
@@ -43,6 +44,7 @@ class Worker:
         self.total_failures = 0
         self.removed = False
         self.cache_info: CacheInfo | None = None
+        self.live = LiveLoad()  # the worker's own load report (router/load.py)
 
     @property
     def available(self) -> bool:
@@ -71,6 +73,7 @@ class Worker:
         self.in_flight_requests += 1
         self.in_flight_tokens += tokens
         self.total_requests += 1
+        self.live.on_dispatch(tokens)
         self.breaker.on_dispatch()
         return LoadGuard(self, tokens)
 
@@ -90,6 +93,7 @@ class Worker:
             "in_flight_tokens": self.in_flight_tokens,
             "total_requests": self.total_requests,
             "total_failures": self.total_failures,
+            "load_report": self.live.describe(),
         }
 
     def __repr__(self) -> str:

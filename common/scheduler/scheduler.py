@@ -92,6 +92,7 @@ class Scheduler:
         self.num_cached_prompt_tokens = 0
         # CPU time the loop spends outside waiting for the worker (bench: sched_ms_per_step)
         self.busy_seconds = 0.0
+        self.step_seconds = 0.0  # wall time of steps, forwards included (the measured prefill rate's clock)
         self.wait_seconds = 0.0
         self.num_steps = 0
 
@@ -142,6 +143,7 @@ class Scheduler:
         self._step()
         self.num_steps += 1
         self.busy_seconds += time.perf_counter() - start - (self.wait_seconds - wait_before)
+        self.step_seconds += time.perf_counter() - start
 
     def _step(self) -> None:
         batch = self.get_next_batch()
@@ -452,6 +454,11 @@ class Scheduler:
             "num_decode_steps_total": float(self.num_decode_steps),
             "num_prefill_steps_total": float(self.num_prefill_steps),
             "prompt_tokens_total": float(self.num_prompt_tokens),
+            # the router's load report (GET /get_load): queued prompt work and the measured rate
+            "num_waiting_tokens": float(sum(len(r.origin_input_ids) for r in self.waiting)
+                                        + (len(self.chunked.fill_ids) - self.chunked.kv_len if self.chunked else 0)),
+            "step_seconds_total": self.step_seconds,
+            "max_running_requests": float(self.cfg.max_running_requests),
             "cache_hit_rate": self.num_cached_prompt_tokens / max(1, self.num_prompt_tokens + self.num_cached_prompt_tokens),
         }
         s.update(self.kv.stats())

@@ -61,3 +61,37 @@ class HealthResponse(msgspec.Struct, kw_only=True):
     status: str
     engine: dict[str, Any] | None = None
     check: str | None = None
+
+
+class LoadReport(msgspec.Struct, kw_only=True):
+    """GET /get_load: what the router's load_aware policy and admission read, from one stats round trip.
+
+    queued: requests not running yet (waiting; prefill's bootstrap queue; decode's prealloc and
+    transfer queues); queued_tokens: prompt tokens still to compute; kv_free_tokens: free plus
+    evictable cached KV slots; prompt_tokens_total / step_seconds_total (engine steps' wall time,
+    forwards included): the measured prefill rate."""
+
+    num_running_reqs: int
+    num_queued_reqs: int
+    num_queued_tokens: int
+    kv_free_tokens: int
+    kv_total_tokens: int
+    max_running_requests: int
+    prompt_tokens_total: int
+    step_seconds_total: float
+
+    @classmethod
+    def from_stats(cls, s: dict[str, float]) -> LoadReport:
+        page = s.get("page_size", 1.0)
+        queued = sum(s.get(k, 0.0) for k in ("num_waiting_reqs", "num_bootstrap_queue_reqs",
+                                               "num_prealloc_queue_reqs", "num_transfer_queue_reqs"))
+        return cls(
+            num_running_reqs=int(s.get("num_running_reqs", 0)),
+            num_queued_reqs=int(queued),
+            num_queued_tokens=int(s.get("num_waiting_tokens", 0)),
+            kv_free_tokens=int((s.get("kv_pages_free", 0) + s.get("kv_pages_cached", 0)) * page),
+            kv_total_tokens=int(s.get("kv_pages_total", 0) * page),
+            max_running_requests=int(s.get("max_running_requests", 0)),
+            prompt_tokens_total=int(s.get("prompt_tokens_total", 0)),
+            step_seconds_total=float(s.get("step_seconds_total", 0.0)),
+        )

@@ -1,4 +1,5 @@
-"""The instance's HTTP app: /generate, /health, /health_generate, /server_info, /metrics, /abort_request.
+"""The instance's HTTP app: /generate, /health, /health_generate, /server_info, /metrics, /get_load,
+/abort_request.
 
 /health is liveness: answered from the engine's step clock and the last known engine
 answer (common/server/liveness.py), in milliseconds, never waiting for a step; 200 while
@@ -31,7 +32,13 @@ from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from common.sampling_request import SamplingParamsRequest
-from common.server.generate_response import AbortResponse, ErrorResponse, GenerateResponse, HealthResponse
+from common.server.generate_response import (
+    AbortResponse,
+    ErrorResponse,
+    GenerateResponse,
+    HealthResponse,
+    LoadReport,
+)
 from common.server.openapi import ApiRoute, mount_openapi, openapi_document
 from common.server.protocol import (
     MAX_BODY_BYTES,
@@ -154,6 +161,11 @@ def create_app(manager: TokenizerManager, server_info: dict[str, Any]) -> FastAP
             pass  # serve the last known engine stats, with pdserve_engine_up 0
         return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
+    @app.get("/get_load")
+    async def get_load() -> Response:
+        stats = await manager.get_stats(timeout_s=METRICS_STATS_TIMEOUT_S)
+        return _json(200, LoadReport.from_stats(stats))
+
     @app.post("/abort_request")
     async def abort_request(request: Request) -> Response:
         rid = decode_abort_body(await read_json_body(request)).rid
@@ -172,6 +184,7 @@ INSTANCE_ROUTES = [
     ApiRoute("GET", "/health_generate", "deep check through the engine", None, {"200": HealthResponse}),
     ApiRoute("GET", "/server_info", "what the engine built", None, {"200": dict[str, Any]}, errors=False),
     ApiRoute("GET", "/metrics", "Prometheus text", None, {"200": None}, media_type="text/plain", errors=False),
+    ApiRoute("GET", "/get_load", "load report for the router (SGLang's name)", None, {"200": LoadReport}),
     ApiRoute("POST", "/abort_request", "abort an in-flight request", AbortRequestBody,
              {"200": AbortResponse, "404": ErrorResponse}),
 ]

@@ -169,13 +169,17 @@ class RouterOutcome:
     output_ids: list[int] = field(default_factory=list)
     error: str | None = None
     done_at: float | None = None
+    finish_reason: str | None = None
+    done_events: int = 0  # `data: [DONE]` lines
 
 
-async def router_stream(client: httpx.AsyncClient, url: str, prompt: list[int], max_new: int) -> RouterOutcome:
-    """One streaming native /generate through the router; errors (HTTP or in-band) are recorded."""
-    out = RouterOutcome(prompt, max_new)
+async def router_stream(client: httpx.AsyncClient, url: str, prompt: list[int], max_new: int,
+                        sampling: dict[str, Any] | None = None, out: RouterOutcome | None = None) -> RouterOutcome:
+    """One streaming native /generate through the router (greedy unless `sampling` says otherwise);
+    errors (HTTP or in-band) are recorded, ids as they arrive (into `out` if given)."""
+    out = out if out is not None else RouterOutcome(prompt, max_new)
     body = {"input_ids": prompt, "stream": True, "incremental_stream": True,
-            "sampling_params": {"max_new_tokens": max_new, "temperature": 0, "ignore_eos": True}}
+            "sampling_params": {"max_new_tokens": max_new, "temperature": 0, "ignore_eos": True, **(sampling or {})}}
     try:
         async with client.stream("POST", url + "/generate", json=body) as r:
             out.status = r.status_code
@@ -189,6 +193,11 @@ async def router_stream(client: httpx.AsyncClient, url: str, prompt: list[int], 
                     if "error" in ev:
                         out.error = json.dumps(ev["error"])
                     out.output_ids += ev.get("output_ids", [])
+                    fr = (ev.get("meta_info") or {}).get("finish_reason")
+                    if fr:
+                        out.finish_reason = fr.get("type")
+                elif line == "data: [DONE]":
+                    out.done_events += 1
     except httpx.HTTPError as e:
         out.error = f"{type(e).__name__}: {e}"
     finally:
@@ -199,13 +208,17 @@ async def router_stream(client: httpx.AsyncClient, url: str, prompt: list[int], 
 class RouterBatch:
     """Streaming requests through the router, concurrently, in a background thread."""
 
-    def __init__(self, url: str, requests: list[tuple[list[int], int]], timeout_s: float = 90.0) -> None:
+    def __init__(self, url: str, requests: list[tuple[list[int], int]], timeout_s: float = 90.0,
+                 sampling: list[dict[str, Any] | None] | None = None) -> None:
         self.timeout_s = timeout_s
         self.outcomes: list[RouterOutcome] = []
+        self.live = [RouterOutcome(p, n) for p, n in requests]  # filled while the streams run
+        per_request = sampling or [None] * len(requests)
 
         async def main() -> list[RouterOutcome]:
             async with httpx.AsyncClient(timeout=timeout_s) as client:
-                return await asyncio.gather(*(router_stream(client, url, p, n) for p, n in requests))
+                return await asyncio.gather(*(router_stream(client, url, o.prompt, o.max_new, sp, o)
+                                              for o, sp in zip(self.live, per_request, strict=True)))
 
         self._thread = threading.Thread(target=lambda: self.outcomes.extend(asyncio.run(main())), daemon=True)
         self._thread.start()

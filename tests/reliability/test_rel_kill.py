@@ -17,6 +17,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import httpx
 import pytest
 
 from tests.engine.reference import hf_greedy
@@ -46,7 +47,8 @@ class Case:
     drains: str | None = None  # the decode that holds the affected pages until the drain timeout
     # streaming requests through the router during the kill: "retried" = every one completes
     # exactly (the failure came before any byte reached the client, so the router re-picked);
-    # "cut" = each completes exactly or ends with an in-band error within the bound
+    # "cut" = each completes exactly or ends with an in-band error within the bound;
+    # "migrated" = every one completes exactly, those on the victim moved to the other decode
     router: tuple[str, int, int, int] | None = None  # (expectation, n, prompt length, max_new)
 
 
@@ -109,7 +111,7 @@ DECODE_CASES = {
         state=lambda s: s["num_running_reqs"] >= 5,
         affected=lambda c: _jobs(c.p_fast, c.d_big, 4, 20, 900, seed=15),
         unaffected=lambda c: _jobs(c.p_fast, c.d_small, 3, 20, 16, seed=16),
-        router=("cut", 4, 20, 400),
+        router=("migrated", 4, 20, 400),
     ),
     "retracted": Case(
         "d_small",
@@ -142,7 +144,7 @@ def _run(c: Cluster, case: Case, model: str, state_name: str) -> None:
         held = getattr(c, case.drains).stats()
         assert held["num_draining_reqs"] >= 1 and held["kv_pages_in_use"] > 0, "pages a dead prefill wrote were freed"
     if routed is not None:
-        _check_routed(case, routed.wait(), t_kill, model)
+        _check_routed(case, routed.wait(), t_kill, model, c.router.url)
     # Before the restart: a victim that is back before the router's probe saw it down (the
     # survivors' long jobs can outlast a restart) would leave nothing to observe.
     router_routes_around(c, victim, model)
@@ -152,18 +154,22 @@ def _run(c: Cluster, case: Case, model: str, state_name: str) -> None:
     c.wait_whole_but_drains(drain_from=t_kill)
 
 
-def _check_routed(case: Case, outcomes: list[RouterOutcome], t_kill: float, model: str) -> None:
+def _check_routed(case: Case, outcomes: list[RouterOutcome], t_kill: float, model: str, router_url: str) -> None:
     assert case.router is not None
     cut = 0
     for o in outcomes:
         if o.error is None:
             assert o.output_ids == hf_greedy(model, o.prompt, o.max_new)
             continue
-        assert case.router[0] == "cut", f"the router did not retry a failure before the first byte: {o.error}"
+        assert case.router[0] == "cut", f"the router did not retry or migrate the stream: {o.error}"
         assert o.status == 200 and o.done_at is not None and o.done_at - t_kill <= HEARTBEAT_BOUND_S, o
         cut += 1
     if case.router[0] == "cut":
         assert cut >= 1, "no routed request was on the killed decode"
+    if case.router[0] == "migrated":
+        text = httpx.get(router_url + "/metrics", timeout=10).text
+        assert any(line.startswith("router_migrations_total") and float(line.split()[-1]) >= 1
+                   for line in text.splitlines()), "no routed request was on the killed decode"
 
 
 # Each case must catch requests in one state at the moment of the kill; on this shared 2-core

@@ -26,8 +26,21 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 VOCAB = 300
 
 
+def next_token(context: list[int]) -> int:
+    """A stub "greedy model": the next token is a function of the context alone, so a request
+    re-issued with prompt + its first k tokens goes on with the same tokens (migration)."""
+    return (sum(context[-4:]) * 31 + len(context) * 7) % (VOCAB - 10) + 10
+
+
+def generate_ids(input_ids: list[int], n: int) -> list[int]:
+    ctx = list(input_ids)
+    for _ in range(n):
+        ctx.append(next_token(ctx))
+    return ctx[len(input_ids):]
+
+
 def token_at(input_ids: list[int], i: int) -> int:
-    return (sum(input_ids) * 31 + i * 7) % (VOCAB - 10) + 10
+    return generate_ids(input_ids, i + 1)[i]
 
 
 def token_text(t: int) -> str:
@@ -45,6 +58,8 @@ class Behavior:
     health_status: int = 200
     bootstrap_port: int | None = None  # reported in /server_info (prefill)
     events_per_token: bool = True  # False: one event with all tokens
+    max_running_requests: int = 0  # reported by GET /get_load (0: no limit)
+    kv_total_tokens: int = 1 << 20  # reported by GET /get_load
 
 
 @dataclass
@@ -60,6 +75,8 @@ class Stats:
     header_rids: list[str] = field(default_factory=list)
     inputs: list[list[int]] = field(default_factory=list)
     last_body: dict[str, Any] | None = None
+    running: int = 0  # /generate requests in progress
+    max_running: int = 0  # the most at once
 
 
 def build_app(role: str, behavior: Behavior) -> FastAPI:
@@ -77,6 +94,14 @@ def build_app(role: str, behavior: Behavior) -> FastAPI:
     @app.get("/server_info")
     async def server_info() -> dict[str, Any]:
         return {"disaggregation_mode": role, "bootstrap_port": state["b"].bootstrap_port, "context_length": 1024}
+
+    @app.get("/get_load")
+    async def get_load() -> dict[str, Any]:
+        b: Behavior = state["b"]
+        running = state["s"].running
+        return {"num_running_reqs": running, "num_queued_reqs": 0, "num_queued_tokens": 0,
+                "kv_free_tokens": b.kv_total_tokens, "kv_total_tokens": b.kv_total_tokens,
+                "max_running_requests": b.max_running_requests, "prompt_tokens_total": 0, "step_seconds_total": 0.0}
 
     @app.post("/stub/control")
     async def control(request: Request) -> dict[str, Any]:
@@ -97,6 +122,26 @@ def build_app(role: str, behavior: Behavior) -> FastAPI:
 
     @app.post("/generate")
     async def generate(request: Request) -> Response:
+        s: Stats = state["s"]
+        s.running += 1
+        s.max_running = max(s.max_running, s.running)
+
+        def done() -> None:
+            s.running -= 1
+
+        try:
+            resp = await _generate(request)
+        except BaseException:
+            done()
+            raise
+        if isinstance(resp, _StreamThenCount):
+            first = resp.after
+            resp.after = lambda: (first(), done())  # type: ignore[assignment, func-returns-value]
+        else:
+            done()
+        return resp
+
+    async def _generate(request: Request) -> Response:
         b: Behavior = state["b"]
         s: Stats = state["s"]
         body = json.loads(await request.body())
@@ -121,7 +166,7 @@ def build_app(role: str, behavior: Behavior) -> FastAPI:
         sp = body.get("sampling_params") or {}
         ids = body["input_ids"]
         n = 0 if role == "prefill" else int(sp.get("max_new_tokens", 128))
-        tokens = [token_at(ids, i) for i in range(n)]
+        tokens = generate_ids(ids, n)
         finish: dict[str, Any] = {"type": "length", "length": n}
         text = "".join(token_text(t) for t in tokens)
         for stop in sp.get("stop") or []:

@@ -147,7 +147,7 @@ def test_prefill_failure_before_first_token_is_an_error(cluster: Cluster) -> Non
 def test_decode_failures(cluster: Cluster) -> None:
     p, d_bad, d_ok = cluster.stubs("prefill", "decode", "decode")
     d_bad.control(error_after_tokens=2)
-    r = cluster.router(pd_args([p], [d_bad], "--health-check-interval", "0.2"))
+    r = cluster.router(pd_args([p], [d_bad], "--health-check-interval", "0.2", "--max-migrations", "0"))
     r.wait_ready()
     # Mid-stream failure after tokens reached the client: an in-band error event, then [DONE].
     status, events = sse_events(r, {"prompt": [1, 2], "max_tokens": 5})

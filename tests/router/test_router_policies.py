@@ -9,6 +9,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from common.server.generate_response import LoadReport
+from router.admission import has_room
 from router.breaker import BreakerState, CircuitBreaker
 from router.config import RouterConfig
 from router.policies import CacheAwarePolicy, PowerOfTwoPolicy, RandomPolicy, RoundRobinPolicy, make_policy
@@ -181,3 +183,50 @@ def test_config_from_args() -> None:
         RouterConfig.from_args(["--model-path", "/m", "--worker", "w:1", "--decode", "d:1"])
     with pytest.raises(SystemExit):
         RouterConfig.from_args(["--model-path", "/m", "--prefill", "a:1", "port"])
+
+
+def _report(**kw: float) -> LoadReport:
+    base = {"num_running_reqs": 0, "num_queued_reqs": 0, "num_queued_tokens": 0, "kv_free_tokens": 10_000,
+            "kv_total_tokens": 10_000, "max_running_requests": 0, "prompt_tokens_total": 0,
+            "step_seconds_total": 0.0}
+    return LoadReport(**{**base, **kw})  # type: ignore[arg-type]
+
+
+def test_load_aware_prefill_prices_queue_rate_and_prefix() -> None:
+    slow, fast = workers(2)
+    for w, tokens_per_s in ((slow, 100), (fast, 1000)):
+        w.live.apply(_report(), 0.0)
+        w.live.apply(_report(prompt_tokens_total=1000, step_seconds_total=1000 / tokens_per_s), 1.0)
+    assert slow.live.prefill_rate == pytest.approx(100) and fast.live.prefill_rate == pytest.approx(1000)
+    pol = make_policy("load_aware", role="prefill")
+    prompt = list(range(500))
+    assert pol.select([slow, fast], prompt) is fast  # 0.5 s against 5 s
+    fast.live.apply(_report(num_queued_tokens=10_000, prompt_tokens_total=1000, step_seconds_total=1.0), 2.0)
+    assert pol.select([slow, fast], list(range(1000, 1500))) is slow  # 10.5 s queued against 5 s
+    # the slow worker now holds that prompt's prefix: a request sharing it costs it ~nothing
+    slow.live.apply(_report(num_queued_tokens=0, prompt_tokens_total=1000, step_seconds_total=10.0), 3.0)
+    fast.live.apply(_report(num_queued_tokens=0, prompt_tokens_total=1000, step_seconds_total=1.0), 3.0)
+    assert pol.select([slow, fast], [*range(1000, 1500), 7]) is slow  # 1 token at 100/s beats 501 at 1000/s
+    # sent since the report counts as queued
+    fast.acquire(100_000)
+    assert pol.select([slow, fast], list(range(2000, 2100))) is slow
+
+
+def test_load_aware_decode_and_room() -> None:
+    d1, d2 = workers(2)
+    d1.live.apply(_report(num_running_reqs=5), 0.0)
+    d2.live.apply(_report(num_running_reqs=2, num_queued_reqs=1), 0.0)
+    pol = make_policy("load_aware", role="decode")
+    assert pol.select([d1, d2], [1, 2]) is d2
+    d2.acquire(10)
+    d2.acquire(10)
+    d2.acquire(10)
+    assert pol.select([d1, d2], [1, 2]) is d1  # 2 + 1 + 3 sent since > 5
+    d1.live.apply(_report(max_running_requests=2, kv_free_tokens=300, kv_total_tokens=1000), 1.0)
+    assert has_room(d1, 300)
+    assert not has_room(d1, 301)  # free KV
+    assert has_room(d1, 5000)  # can never fit: decode itself answers
+    d1.acquire(1)
+    d1.acquire(1)
+    assert not has_room(d1, 1)  # max running
+    assert has_room(workers(1)[0], 10**9)  # never reported: no gating

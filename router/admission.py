@@ -1,0 +1,94 @@
+"""The router's bounded waiting queue: a request is dispatched only to a decode with room.
+
+    admit(plan)
+      no one waiting and some decode has room    -> go at once
+      --max-queued-requests already waiting      -> 503 + Retry-After at once
+      else wait (FIFO) until the head finds room -> go
+           --queue-timeout passed first          -> 503 + Retry-After
+    notify()   a request finished or load reports arrived: the head re-checks
+
+A decode has room for a request when the router's in-flight requests on it are below its
+reported max_running_requests and its predicted free KV tokens (report minus what this router
+sent since) cover the request's prompt + max_new_tokens. A worker without a load report has
+room (as before reports existed); with no routable decode at all nothing waits here (the
+dispatcher answers 503 no_healthy_worker). The check and the pick run with no await in between,
+so a woken request takes its room before any other task looks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+
+from router.config import Role, RouterConfig
+from router.errors import ApiError
+from router.metrics import RouterMetrics
+from router.plan import GenerationPlan
+from router.registry import WorkerRegistry
+from router.worker import Worker
+
+RETRY_AFTER_S = 1  # room frees as streams finish; a client should come back soon, not at once
+
+
+def has_room(w: Worker, tokens: int) -> bool:
+    report = w.live.report
+    if report is None:
+        return True
+    if report.max_running_requests > 0 and w.in_flight_requests >= report.max_running_requests:
+        return False
+    free = w.live.free_kv_tokens
+    return free is None or tokens > report.kv_total_tokens or tokens <= free
+
+
+class Admission:
+    def __init__(self, cfg: RouterConfig, registry: WorkerRegistry, metrics: RouterMetrics) -> None:
+        self.cfg = cfg
+        self.registry = registry
+        self.metrics = metrics
+        self.role: Role = "decode" if cfg.disaggregated else "colocated"
+        self._waiters: deque[asyncio.Future[None]] = deque()
+
+    @property
+    def waiting(self) -> int:
+        return len(self._waiters)
+
+    def room(self, plan: GenerationPlan) -> bool:
+        decodes = self.registry.available(self.role)
+        tokens = len(plan.input_ids) + plan.max_new_tokens
+        return not decodes or any(has_room(d, tokens) for d in decodes)
+
+    async def admit(self, plan: GenerationPlan) -> None:
+        if not self._waiters and self.room(plan):
+            return
+        if len(self._waiters) >= self.cfg.max_queued_requests:
+            self.metrics.queue_rejected.labels("full").inc()
+            raise self._busy(f"the router's queue is full ({self.cfg.max_queued_requests} requests wait for a "
+                             f"decode with room)", "queue_full")
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._waiters.append(fut)
+        try:
+            async with asyncio.timeout(self.cfg.queue_timeout):
+                while True:
+                    await fut
+                    if self.room(plan):
+                        return
+                    fut = asyncio.get_running_loop().create_future()
+                    self._waiters[0] = fut  # still the head: wait for the next release or report
+        except TimeoutError:
+            self.metrics.queue_rejected.labels("timeout").inc()
+            raise self._busy(f"no decode had room within --queue-timeout {self.cfg.queue_timeout:g} s",
+                             "queue_timeout") from None
+        finally:
+            if self._waiters and self._waiters[0] is fut:
+                self._waiters.popleft()
+            elif fut in self._waiters:
+                self._waiters.remove(fut)
+            self.notify()
+
+    def notify(self) -> None:
+        """Wake the head of the queue (it re-checks for room, then wakes the next)."""
+        if self._waiters and not self._waiters[0].done():
+            self._waiters[0].set_result(None)
+
+    def _busy(self, message: str, code: str) -> ApiError:
+        return ApiError(503, message, type="service_unavailable", code=code, retry_after=RETRY_AFTER_S)
