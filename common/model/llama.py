@@ -147,13 +147,8 @@ class LlamaForCausalLM(nn.Module):
         rope = self.rope.table(batch.positions)
         for layer in self.model.layers:
             x = layer(x, batch, rope, kv_pool, backend)
-        if not all_tokens:
-            last, ends = 0, []
-            for n in batch.extend_lens_cpu:
-                last += n
-                ends.append(last - 1)
-            if ends != list(range(x.shape[0])):
-                x = x[torch.tensor(ends, dtype=torch.int64, device=x.device)]
+        if not all_tokens and batch.last_index is not None:
+            x = x[batch.last_index]
         return self.model.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

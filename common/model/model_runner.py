@@ -17,6 +17,7 @@ import torch
 from common.cache.kv_pool import KVPool
 from common.model.attention import AttentionShape, create_attention_backend
 from common.model.config import ModelConfig, resolve_dtype
+from common.model.device_streams import DeviceStreams, make_device_streams
 from common.model.forward_batch import ForwardBatch, ForwardMode
 from common.model.loader import build_model
 from common.model.packed_linear import prepack_supported
@@ -35,16 +36,20 @@ class ModelRunner:
         req_to_token: torch.Tensor,
         attention_backend: str = "auto",
         cpu_weight_prepack: bool = True,
+        streams: DeviceStreams | None = None,
     ) -> None:
         """model_path: an HF checkpoint dir (see default_model.resolve_model_path for "default").
         kv_pool: the pool, or a function that builds it, called once the weights are loaded (so a
         GPU pool can be sized from the memory the weights left, see memory_budget.py).
         cpu_weight_prepack: on CPU, run the linears through oneDNN on weights packed once
-        (packed_linear.py; where the dtype is native to the CPU)."""
+        (packed_linear.py; where the dtype is native to the CPU).
+        streams: host <-> device staging and ordering of the worker (device_streams.py); by
+        default the device's own (a worker stream on CUDA)."""
         self.model_config = ModelConfig.from_pretrained(model_path)
         self.device = torch.device(device)
         self.dtype = resolve_dtype(dtype, self.device)
         self.req_to_token = req_to_token
+        self.streams = streams or make_device_streams(self.device)
         if isinstance(kv_pool, KVPool):
             self._check_kv_memory(kv_pool)
         start = time.perf_counter()
@@ -73,7 +78,7 @@ class ModelRunner:
             scaling=self.model_config.head_dim**-0.5,
         )
         self.attn_backend = create_attention_backend(
-            attention_backend, shape=shape, kv_pool=kv_pool, req_to_token=req_to_token
+            attention_backend, shape=shape, kv_pool=kv_pool, req_to_token=req_to_token, streams=self.streams
         )
 
     def _check_kv_memory(self, kv_pool: KVPool) -> None:
@@ -117,6 +122,7 @@ class ModelRunner:
         page_size: int,
         dtype: str | torch.dtype = "auto",
         device: torch.device | str = "cpu",
+        streams: DeviceStreams | None = None,
     ) -> KVPool:
         """A pool holding at least `max_total_tokens` token slots (plus the reserved page 0)."""
         if max_total_tokens < 1 or page_size < 1:
@@ -130,6 +136,7 @@ class ModelRunner:
             head_dim=config.head_dim,
             dtype=resolve_dtype(dtype, device),
             device=device,
+            streams=streams,
         )
 
     @staticmethod

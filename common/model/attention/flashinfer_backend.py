@@ -12,9 +12,10 @@ DECODE batches use the decode wrapper (tensor cores for GQA groups >= 4: the CUD
 kernel only exists for a few group sizes); EXTEND/MIXED use the paged prefill wrapper,
 whose causal mask is aligned to the end of each sequence (full over the prefix).
 
-plan() gets the indptr / last-page arrays as host tensors (flashinfer copies device ones
-back to the host, a sync per step) and the page indices as a device tensor gathered
-without a boolean mask (which would sync too; launch/gpu_check.sh counts syncs). Both
+plan() gets the indptr / last-page arrays as pinned host tensors (flashinfer copies device
+ones back to the host, a sync per step, and copies pageable ones to the device blocking) and
+the page indices as a device tensor gathered without a boolean mask (which would sync too;
+launch/gpu_check.sh and tests/model/test_host_syncs.py count syncs). Both
 wrappers are planned and run once at construction on the reserved page 0, so the JIT
 compile of every kernel happens at startup, not on the first request.
 """
@@ -32,14 +33,17 @@ from common.model.attention.flashinfer_support import (
     flashinfer_shape_problem,
     load_flashinfer,
 )
+from common.model.device_streams import DeviceStreams
 from common.model.forward_batch import ForwardBatch, ForwardMode
 
 WORKSPACE_BYTES = 128 * 1024 * 1024
 
 
 class FlashInferAttentionBackend(AttentionBackend):
-    def __init__(self, *, shape: AttentionShape, kv_pool: KVPool, req_to_token: torch.Tensor) -> None:
-        super().__init__(shape=shape, kv_pool=kv_pool, req_to_token=req_to_token)
+    def __init__(
+        self, *, shape: AttentionShape, kv_pool: KVPool, req_to_token: torch.Tensor, streams: DeviceStreams | None = None
+    ) -> None:
+        super().__init__(shape=shape, kv_pool=kv_pool, req_to_token=req_to_token, streams=streams)
         flashinfer = load_flashinfer(kv_pool.device)
         problem = flashinfer_shape_problem(shape, kv_pool.dtype)
         if problem is not None:
@@ -76,17 +80,19 @@ class FlashInferAttentionBackend(AttentionBackend):
         num_pages = [(s + page - 1) // page for s in batch.seq_lens_cpu]
         total = sum(num_pages)
         indptr = _cumsum0(num_pages)
-        last = torch.tensor(
-            [s - (n - 1) * page for s, n in zip(batch.seq_lens_cpu, num_pages, strict=True)], dtype=torch.int32
-        )
+        last = [s - (n - 1) * page for s, n in zip(batch.seq_lens_cpu, num_pages, strict=True)]
         # Page k of request r is req_to_token[row_r, k * page] // page, gathered in request order
-        # (host -> device copies are non_blocking and output_size is given: nothing here syncs).
-        pages_per_req = torch.tensor(num_pages).to(device, non_blocking=True)
+        # (staged host -> device copies and output_size given: nothing here syncs).
+        pages_per_req, first_page = self.streams.stage([num_pages, indptr[:-1]], torch.int64)
         rows = batch.req_pool_indices.repeat_interleave(pages_per_req, output_size=total)
-        first = indptr[:-1].to(device, non_blocking=True).repeat_interleave(pages_per_req, output_size=total)
+        first = first_page.repeat_interleave(pages_per_req, output_size=total)
         cols = (torch.arange(total, device=device) - first) * page
         indices = (self.req_to_token[rows, cols] // page).to(torch.int32)
-        self._plan(batch.mode, indptr, indices, last, qo_indptr=_cumsum0(batch.extend_lens_cpu))
+        host = self.streams.host
+        self._plan(
+            batch.mode, host(indptr, torch.int32), indices, host(last, torch.int32),
+            qo_indptr=host(_cumsum0(batch.extend_lens_cpu), torch.int32),
+        )
 
     def _plan(
         self, mode: ForwardMode, indptr: torch.Tensor, indices: torch.Tensor, last: torch.Tensor, *, qo_indptr: torch.Tensor
@@ -113,9 +119,9 @@ class FlashInferAttentionBackend(AttentionBackend):
         return o.to(q.dtype).reshape(q.shape[0], -1)
 
 
-def _cumsum0(lengths: list[int]) -> torch.Tensor:
-    """[0, l0, l0 + l1, ...] as an int32 host tensor."""
+def _cumsum0(lengths: list[int]) -> list[int]:
+    """[0, l0, l0 + l1, ...]"""
     out = [0]
     for n in lengths:
         out.append(out[-1] + n)
-    return torch.tensor(out, dtype=torch.int32)
+    return out
