@@ -145,6 +145,13 @@ def build_engine_core(
         attention_backend=args.attention_backend, streams=streams,
     )
     kv_pool = runner.kv_pool
+    if device.type == "cuda" and not args.disable_cuda_graph:
+        if runner.attn_backend.graph_capturable:
+            from common.model.cuda_graphs import CudaGraphCapture
+
+            runner.enable_decode_graphs(args.cuda_graph_max_bs or args.max_running_requests, CudaGraphCapture(device))
+        else:
+            logger.warning("CUDA graphs off: the %s cannot be captured", type(runner.attn_backend).__name__)
     logger.info(
         "KV pool: %d tokens (%d pages of %d), %.1f MiB, %s",
         (kv_pool.num_pages - 1) * kv_pool.page_size, kv_pool.num_pages - 1, kv_pool.page_size,

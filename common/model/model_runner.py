@@ -17,6 +17,7 @@ import torch
 from common.cache.kv_pool import KVPool
 from common.model.attention import AttentionShape, create_attention_backend
 from common.model.config import ModelConfig, resolve_dtype
+from common.model.decode_graphs import DecodeGraphRunner, EagerCapture, StepCapture
 from common.model.device_streams import DeviceStreams, make_device_streams
 from common.model.forward_batch import ForwardBatch, ForwardMode
 from common.model.loader import build_model
@@ -77,6 +78,7 @@ class ModelRunner:
             head_dim=self.model_config.head_dim,
             scaling=self.model_config.head_dim**-0.5,
         )
+        self.decode_graphs: DecodeGraphRunner | None = None
         self.attn_backend = create_attention_backend(
             attention_backend, shape=shape, kv_pool=kv_pool, req_to_token=req_to_token, streams=self.streams
         )
@@ -91,15 +93,31 @@ class ModelRunner:
         return self.model_config.vocab_size
 
     @torch.inference_mode()
+    def enable_decode_graphs(self, max_bs: int, capture: StepCapture) -> None:
+        """Run decode batches of up to max_bs rows through one captured step per batch-size
+        bucket (decode_graphs.py); call before the first step."""
+        if not self.attn_backend.graph_capturable and not isinstance(capture, EagerCapture):
+            raise ValueError(f"the {type(self.attn_backend).__name__} cannot be captured in a CUDA graph")
+        self.decode_graphs = DecodeGraphRunner(self.model, self.kv_pool, self.attn_backend, max_bs=max_bs, capture=capture)
+
+    @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """float32 logits [batch_size, vocab] of each request's last token (writes the step's K/V)."""
         if batch.mode == ForwardMode.IDLE or batch.batch_size == 0:
             return torch.empty(0, self.vocab_size, dtype=torch.float32, device=self.device)
+        if self.decode_graphs is not None and self.decode_graphs.can_run(batch):
+            self._check(batch)
+            return self.decode_graphs.forward(batch)
         return self.model.compute_logits(self.forward_hidden(batch))
 
     @torch.inference_mode()
     def forward_hidden(self, batch: ForwardBatch, *, all_tokens: bool = False) -> torch.Tensor:
         """Final hidden states of the last token of each request, or of every token."""
+        self._check(batch)
+        self.attn_backend.init_forward_metadata(batch)
+        return self.model(batch, self.kv_pool, self.attn_backend, all_tokens=all_tokens)
+
+    def _check(self, batch: ForwardBatch) -> None:
         if min(batch.extend_lens_cpu, default=1) < 1:
             raise ValueError(f"every request needs >= 1 new token, got extend_lens {batch.extend_lens_cpu}")
         if max(batch.seq_lens_cpu, default=0) > self.model_config.context_length:
@@ -107,8 +125,6 @@ class ModelRunner:
                 f"sequence of {max(batch.seq_lens_cpu)} tokens exceeds the context length "
                 f"{self.model_config.context_length}"
             )
-        self.attn_backend.init_forward_metadata(batch)
-        return self.model(batch, self.kv_pool, self.attn_backend, all_tokens=all_tokens)
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

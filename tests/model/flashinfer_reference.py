@@ -138,10 +138,17 @@ class BatchDecodeWithPagedKVCacheWrapper:
         backend: str = "auto",
         jit_args: list[Any] | None = None,
     ) -> None:
-        if kv_layout != "NHD" or use_cuda_graph or jit_args is not None:
-            raise NotImplementedError("the reference covers NHD, no CUDA graphs, no custom JIT")
+        if kv_layout != "NHD" or jit_args is not None:
+            raise NotImplementedError("the reference covers NHD, no custom JIT")
         self.use_tensor_cores = use_tensor_cores
         self._plan: _Plan | None = None
+        # CUDA-graph mode: plan() copies into these fixed buffers, run() reads them
+        self._graph_buffers: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        if use_cuda_graph:
+            buffers = (paged_kv_indptr_buffer, paged_kv_indices_buffer, paged_kv_last_page_len_buffer)
+            if any(b is None or b.dtype != torch.int32 for b in buffers):
+                raise ValueError("use_cuda_graph needs int32 indptr / indices / last_page_len buffers")
+            self._graph_buffers = buffers  # type: ignore[assignment]
 
     @_recorded
     def plan(
@@ -180,9 +187,20 @@ class BatchDecodeWithPagedKVCacheWrapper:
         q_dtype = _dtype(data_type if q_data_type is None else q_data_type, torch.float16)
         kv_dtype = _dtype(kv_data_type if kv_data_type is not None else data_type, q_dtype)
         kv_indptr = _host_list(indptr, "indptr")
+        last = _host_list(last_page_len, "last_page_len")
+        if self._graph_buffers is not None:
+            indptr_buf, indices_buf, last_buf = self._graph_buffers
+            if len(last) != last_buf.numel():
+                raise ValueError(f"batch size {len(last)} != the CUDA graph's fixed batch size {last_buf.numel()}")
+            if indices.numel() > indices_buf.numel():
+                raise ValueError("the page indices overflow the CUDA graph's indices buffer")
+            indptr_buf.copy_(torch.tensor(kv_indptr, dtype=torch.int32))
+            last_buf.copy_(torch.tensor(last, dtype=torch.int32))
+            indices_buf[: indices.numel()].copy_(indices)
+            indices = indices_buf[: indices.numel()]  # run() reads the buffer, as a replayed graph does
         self._plan = _Plan(
             qo_indptr=list(range(len(kv_indptr))), kv_indptr=kv_indptr, indices=indices,
-            last=_host_list(last_page_len, "last_page_len"), num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
+            last=last, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
             head_dim=head_dim, page_size=page_size, causal=False, sm_scale=sm_scale, q_dtype=q_dtype,
             kv_dtype=kv_dtype, o_dtype=_dtype(o_data_type, q_dtype),
         )

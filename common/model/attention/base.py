@@ -46,6 +46,19 @@ class AttentionBackend(ABC):
         self.kv_pool = kv_pool
         self.req_to_token = req_to_token
         self.streams = streams or HostStreams(kv_pool.device)
+        self.decode_bucket: int | None = None  # set while a bucketed decode step runs
+
+    # True when init_forward_metadata leaves everything forward() reads in fixed device buffers,
+    # so a decode step can be captured in a CUDA graph (decode_graphs.py).
+    graph_capturable = False
+
+    def prepare_decode_buckets(self, sizes: list[int]) -> None:
+        """Allocate whatever a decode step padded to each of `sizes` rows needs at fixed addresses."""
+        self.decode_bucket = None
+
+    def use_decode_bucket(self, size: int | None) -> None:
+        """The next decode steps are padded to `size` rows (None: not bucketed)."""
+        self.decode_bucket = size
 
     @abstractmethod
     def init_forward_metadata(self, batch: ForwardBatch) -> None:

@@ -10,7 +10,9 @@ table is read from req_to_token at every page_size-th token:
 
 DECODE batches use the decode wrapper (tensor cores for GQA groups >= 4: the CUDA-core
 kernel only exists for a few group sizes); EXTEND/MIXED use the paged prefill wrapper,
-whose causal mask is aligned to the end of each sequence (full over the prefix).
+whose causal mask is aligned to the end of each sequence (full over the prefix). Decode
+steps captured in CUDA graphs (decode_graphs.py) use a decode wrapper per batch-size bucket
+in use_cuda_graph=True mode, planned before each replay.
 
 plan() gets the indptr / last-page arrays as pinned host tensors (flashinfer copies device
 ones back to the host, a sync per step, and copies pageable ones to the device blocking) and
@@ -54,6 +56,8 @@ class FlashInferAttentionBackend(AttentionBackend):
             workspace, "NHD", use_tensor_cores=self.decode_tensor_cores
         )
         self._prefill: Any = flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD")
+        self._workspace = workspace
+        self._graph_decode: dict[int, Any] = {}  # bucket size -> use_cuda_graph=True decode wrapper
         self._use_decode = False
         page, hkv, d = kv_pool.page_size, kv_pool.num_kv_heads, kv_pool.head_dim
         self._caches = [
@@ -61,6 +65,26 @@ class FlashInferAttentionBackend(AttentionBackend):
             for k, v in zip(kv_pool.k_buffers, kv_pool.v_buffers, strict=True)
         ]
         self._warm_up()
+
+    graph_capturable = True
+
+    def prepare_decode_buckets(self, sizes: list[int]) -> None:
+        """One decode wrapper per bucket in CUDA-graph mode: its indptr / page indices /
+        last-page buffers sit at fixed addresses, refilled by plan() before each replay."""
+        super().prepare_decode_buckets(sizes)
+        flashinfer = load_flashinfer(self.kv_pool.device)
+        device = self.kv_pool.device
+        max_pages = self.req_to_token.shape[1] // self.kv_pool.page_size + 1
+        for size in sizes:
+            self._graph_decode[size] = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+                self._workspace, "NHD", use_cuda_graph=True, use_tensor_cores=self.decode_tensor_cores,
+                paged_kv_indptr_buffer=torch.zeros(size + 1, dtype=torch.int32, device=device),
+                paged_kv_indices_buffer=torch.zeros(size * max_pages, dtype=torch.int32, device=device),
+                paged_kv_last_page_len_buffer=torch.zeros(size, dtype=torch.int32, device=device),
+            )
+
+    def _decode_wrapper(self) -> Any:
+        return self._decode if self.decode_bucket is None else self._graph_decode[self.decode_bucket]
 
     def _warm_up(self) -> None:
         """One decode and one prefill call over the reserved page 0 (never handed to a request)."""
@@ -107,14 +131,14 @@ class FlashInferAttentionBackend(AttentionBackend):
         )
         self._use_decode = mode == ForwardMode.DECODE
         if self._use_decode:
-            self._decode.plan(indptr, indices, last, head_dim=self.shape.head_dim, **common)
+            self._decode_wrapper().plan(indptr, indices, last, head_dim=self.shape.head_dim, **common)
         else:
             self._prefill.plan(qo_indptr, indptr, indices, last, head_dim_qk=self.shape.head_dim, causal=True, **common)
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, batch: ForwardBatch
     ) -> torch.Tensor:
-        wrapper = self._decode if self._use_decode else self._prefill
+        wrapper = self._decode_wrapper() if self._use_decode else self._prefill
         o = wrapper.run(q.to(self.kv_pool.dtype).contiguous(), self._caches[layer_id])
         return o.to(q.dtype).reshape(q.shape[0], -1)
 
