@@ -49,15 +49,18 @@ def head_dim_64_model(tmp_path_factory: pytest.TempPathFactory) -> str:
                                      num_kv_heads=1))
 
 
-def counted_steps(engine: Engine, prompt_lens: list[int], exempt: Sequence[tuple[type, str]]) -> Iterator[StepCount]:
+def add_requests(engine: Engine, prompt_lens: list[int]) -> None:
     rng = random.Random(0)
-    sched = engine.scheduler
     for i, n in enumerate(prompt_lens):
-        sched.add_request(Req(
+        engine.scheduler.add_request(Req(
             rid=f"r{i}", origin_input_ids=[rng.randrange(3, engine.vocab_size) for _ in range(n)],
             sampling_params=PARAMS[i % len(PARAMS)], stream=True, return_logprob=i % 3 == 0,
             top_logprobs_num=2 if i % 3 == 0 else 0,
         ))
+
+
+def record_batches(engine: Engine) -> list[WorkerBatch]:
+    """Every batch the scheduler submits from now on, in order."""
     submitted: list[WorkerBatch] = []
     submit = engine.core.executor.submit
 
@@ -66,14 +69,22 @@ def counted_steps(engine: Engine, prompt_lens: list[int], exempt: Sequence[tuple
         return submit(batch)
 
     engine.core.executor.submit = recording_submit  # type: ignore[method-assign]
+    return submitted
+
+
+def counted_steps(engine: Engine, prompt_lens: list[int], exempt: Sequence[tuple[type, str]]) -> Iterator[StepCount]:
+    """The normal loop, one step at a time: what each step costs."""
+    add_requests(engine, prompt_lens)
+    submitted = record_batches(engine)
+    sched = engine.scheduler
     while sched.has_work:
-        submitted.clear()
+        before = len(submitted)
         with HostSyncCounter(exempt) as c:
             sched.step()
-        if not submitted:  # nothing left to run (a step that only resolves)
+        if len(submitted) == before:  # nothing left to run (a step that only resolves)
             yield StepCount(None, False, c.fetches, dict(c.syncs))
             continue
-        (batch,) = submitted
+        batch = submitted[-1]
         yield StepCount(batch.mode, any(batch.samples or [True]), c.fetches, dict(c.syncs))
     engine.check_integrity()
 
@@ -129,3 +140,22 @@ def test_the_counter_sees_a_blocking_copy_and_a_read_back(tiny_llama_path: str) 
     assert ok and y.shape == (1,)
     assert c.syncs == {"torch.tensor": 1, "Tensor.to": 1, "Tensor.__bool__": 1, "Tensor.item": 1}
     assert c.fetches == 0
+
+
+def test_overlap_loop_stays_within_the_budget(tiny_llama_path: str) -> None:
+    """The overlap loop: the worker thread's steps, counted over a whole run (a step's work
+    may end after the scheduler's step returns): one fetch per sampling batch, nothing else."""
+    engine = Engine(tiny_llama_path, dtype="float32", page_size=4, chunked_prefill_size=32, max_total_tokens=4096,
+                    enable_cpu_overlap_schedule=True)
+    try:
+        add_requests(engine, [5, 17, 40, 70, 3, 33])
+        submitted = record_batches(engine)
+        with HostSyncCounter() as c:
+            engine.scheduler.run_until_idle()
+            engine.core.executor.shutdown()  # joins the worker thread: every step has ended
+        assert c.syncs == {}
+        assert c.fetches == sum(any(b.samples or [True]) for b in submitted)
+        assert sum(b.mode is ForwardMode.DECODE for b in submitted) >= 8
+        engine.check_integrity()
+    finally:
+        engine.shutdown()
