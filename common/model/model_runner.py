@@ -20,6 +20,7 @@ from common.model.config import ModelConfig, resolve_dtype
 from common.model.decode_graphs import DecodeGraphRunner, EagerCapture, StepCapture
 from common.model.device_streams import DeviceStreams, make_device_streams
 from common.model.forward_batch import ForwardBatch, ForwardMode
+from common.model.fused_ops import select_fused_ops
 from common.model.loader import build_model
 from common.model.packed_linear import prepack_supported
 
@@ -55,6 +56,7 @@ class ModelRunner:
             self._check_kv_memory(kv_pool)
         start = time.perf_counter()
         self.model = build_model(self.model_config, dtype=self.dtype, device=self.device)
+        self.model.ops = select_fused_ops(self.device, self.dtype)
         self.weights_prepacked = cpu_weight_prepack and prepack_supported(self.device, self.dtype)
         if self.weights_prepacked:
             self.model.prepack_for_cpu()
@@ -66,7 +68,7 @@ class ModelRunner:
             str(self.dtype).removeprefix("torch."),
             self.device,
             time.perf_counter() - start,
-            ", linears prepacked for oneDNN" if self.weights_prepacked else "",
+            (", linears prepacked for oneDNN" if self.weights_prepacked else "") + f", {self.model.ops.name} norm/act ops",
         )
         if not isinstance(kv_pool, KVPool):
             kv_pool = kv_pool()

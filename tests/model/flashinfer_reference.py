@@ -322,3 +322,57 @@ class BatchPrefillWithPagedKVCacheWrapper:
         options = (q_scale, k_scale, v_scale, out, lse, return_lse, enable_pdl, window_left, sinks, kv_cache_sf,
                    skip_softmax_threshold_scale_factor)
         return _run(self._plan, q, paged_kv_cache, args, options)
+
+
+# ---- the fused elementwise kernels (flashinfer.norm / flashinfer.activation, top-level names) ----
+
+
+def _check_fused(x: torch.Tensor, name: str) -> None:
+    if x.dtype not in DTYPES:
+        raise RuntimeError(f"{name}: unsupported dtype {x.dtype}")
+    if not x.is_contiguous():
+        raise ValueError(f"{name}: input must be contiguous")
+
+
+def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """fp32 math, weight applied in fp32, one rounding at the end (as the kernels do)."""
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * weight.float()).to(x.dtype)
+
+
+def rmsnorm(input: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, out: torch.Tensor | None = None,
+            enable_pdl: bool | None = None) -> torch.Tensor:
+    CALLS.append(("rmsnorm", (input, weight), {"eps": eps}))
+    _check_fused(input, "rmsnorm")
+    if input.dim() != 2 or weight.shape != (input.shape[1],):
+        raise ValueError(f"rmsnorm: input must be [tokens, hidden], weight [hidden]; got {tuple(input.shape)}")
+    y = _rms(input, weight, eps)
+    if out is None:
+        return y
+    out.copy_(y)
+    return out
+
+
+def fused_add_rmsnorm(input: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6,
+                      enable_pdl: bool | None = None) -> None:
+    """In place: residual += input; input = rmsnorm(residual) * weight."""
+    CALLS.append(("fused_add_rmsnorm", (input, residual, weight), {"eps": eps}))
+    _check_fused(input, "fused_add_rmsnorm")
+    _check_fused(residual, "fused_add_rmsnorm")
+    if input.dim() != 2 or input.shape != residual.shape or weight.shape != (input.shape[1],):
+        raise ValueError("fused_add_rmsnorm: input and residual must be [tokens, hidden], weight [hidden]")
+    residual.copy_((residual.float() + input.float()).to(residual.dtype))
+    input.copy_(_rms(residual, weight, eps))
+
+
+def silu_and_mul(input: torch.Tensor, out: torch.Tensor | None = None, enable_pdl: bool | None = None) -> torch.Tensor:
+    CALLS.append(("silu_and_mul", (input,), {}))
+    _check_fused(input, "silu_and_mul")
+    if input.shape[-1] % 2:
+        raise ValueError("silu_and_mul: the last dimension must be even")
+    gate, up = input.float().chunk(2, dim=-1)
+    y = (torch.nn.functional.silu(gate) * up).to(input.dtype)
+    if out is None:
+        return y
+    out.copy_(y)
+    return out
