@@ -2,12 +2,19 @@
 
     python bench/gpu_checks.py syncs MODEL              host syncs inside ModelRunner.forward over
                                                         100 decode steps (flashinfer, batch 32)
+    python bench/gpu_checks.py overlap MODEL            the engine's overlap loop (worker stream, CUDA
+                                                        graphs), 32 requests decoding: host syncs,
+                                                        kernels and kernel launches per decode step,
+                                                        and the GPU's idle fraction
     python bench/gpu_checks.py reference MODEL OUT      greedy ids of PROMPTS from the offline engine
                                                         (CUDA, flashinfer), one request at a time
     python bench/gpu_checks.py parity URL REF           the same prompts through a router: equal ids?
 
-Syncs are counted with torch.cuda.set_sync_debug_mode("warn") around the forward only: the
-batch is built outside the window (the scheduler's host -> device copies are its own).
+Syncs are counted with torch.cuda.set_sync_debug_mode("warn"): in `syncs` around the forward
+only (the batch is built outside the window); in `overlap` around whole engine steps (both
+threads; budget: 1 per step, the tokens to stream). Kernels and idle time come from
+torch.profiler over a window of decode-only steps: idle = 1 - (union of kernel intervals) /
+(the window's span).
 """
 
 from __future__ import annotations
@@ -72,6 +79,64 @@ def count_syncs(model_path: str, rows: int = 32, prompt_len: int = 64, steps: in
     return {"decode_steps": steps, "rows": rows, "syncs_per_step": syncs / steps, "ms_per_step": 1e3 * elapsed / steps}
 
 
+def overlap_profile(model_path: str, rows: int = 32, prompt_len: int = 64, window: int = 40) -> dict[str, float]:
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    from common.engine import Engine
+    from common.sampling_params import SamplingParams
+    from common.scheduler.req import Req
+
+    engine = Engine(model_path, device="cuda", attention_backend="flashinfer", dtype="bfloat16",
+                    max_total_tokens=65536, max_running_requests=rows)
+    sched = engine.scheduler
+    rng = random.Random(0)
+    params = SamplingParams(max_new_tokens=3 * window + 32, temperature=0.0, ignore_eos=True)
+    for i in range(rows):
+        ids = [rng.randrange(100, min(engine.vocab_size, 30000)) for _ in range(prompt_len)]
+        sched.add_request(Req(rid=f"r{i}", origin_input_ids=ids, sampling_params=params))
+    for _ in range(10_000):  # until every request decodes (bounded)
+        if not (sched.waiting or sched.chunked) and sched.num_decode_steps >= 4:
+            break
+        sched.step()
+    torch.cuda.synchronize()
+    first = sched.num_decode_steps
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            for _ in range(window):
+                sched.step()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    syncs = sum("synchroniz" in str(w.message) for w in caught)
+    steps = sched.num_decode_steps - first
+    start = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(window):
+            sched.step()
+        torch.cuda.synchronize()
+    elapsed = time.perf_counter() - start
+    events = list(prof.events())
+    kernels = sorted((e.time_range.start, e.time_range.end) for e in events if e.device_type == DeviceType.CUDA)
+    launches = sum(e.name in ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cudaGraphLaunch")
+                   for e in events)
+    busy, end = 0.0, float("-inf")
+    for a, b in kernels:  # union of the kernel intervals
+        if b > end:
+            busy += b - max(a, end)
+            end = b
+    span = max(e.time_range.end for e in events) - min(e.time_range.start for e in events)
+    engine.shutdown()
+    return {
+        "rows": rows, "decode_steps": steps, "syncs_per_step": syncs / max(steps, 1),
+        "kernels_per_step": len(kernels) / window, "launches_per_step": launches / window,
+        "gpu_idle_fraction": round(1 - busy / max(span, 1e-9), 3), "ms_per_step": 1e3 * elapsed / window,
+        "cuda_graphs": float(engine.core.runner.decode_graphs is not None),
+    }
+
+
 def reference(model_path: str, out: str) -> dict[str, float]:
     from common.engine import Engine
 
@@ -106,6 +171,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="check", required=True)
     sub.add_parser("syncs").add_argument("model")
+    sub.add_parser("overlap").add_argument("model")
     ref = sub.add_parser("reference")
     ref.add_argument("model")
     ref.add_argument("out")
@@ -115,6 +181,8 @@ def main() -> None:
     a = parser.parse_args()
     if a.check == "syncs":
         result = count_syncs(a.model)
+    elif a.check == "overlap":
+        result = overlap_profile(a.model)
     elif a.check == "reference":
         result = reference(a.model, a.out)
     else:

@@ -23,6 +23,7 @@ from common.cache.kv_pool import KVPool
 from common.model.config import ModelConfig, resolve_dtype
 from common.model.default_model import resolve_model_path
 from common.model.device import on_device_thread, resolve_device, use_device
+from common.model.device_streams import make_device_streams
 from common.model.memory_budget import kv_budget_bytes
 from common.model.model_runner import ModelRunner
 from common.model.sampler import Sampler
@@ -137,19 +138,29 @@ def build_engine_core(
     use_device(device)
     dtype = resolve_dtype(args.dtype, device)
     context_length = min(args.context_length or config.context_length, config.context_length)
-    req_pool = ReqToTokenPool(args.max_running_requests + extra_req_rows, context_length + args.page_size, device=device)
+    streams = make_device_streams(device)
+    req_pool = ReqToTokenPool(
+        args.max_running_requests + extra_req_rows, context_length + args.page_size, device=device, streams=streams
+    )
 
     def create_kv_pool() -> KVPool:  # called by the runner once the weights are on the device
         total_tokens = kv_budget_tokens(args, config, dtype, device)
         return ModelRunner.create_kv_pool(
-            config, max_total_tokens=total_tokens, page_size=args.page_size, dtype=dtype, device=device
+            config, max_total_tokens=total_tokens, page_size=args.page_size, dtype=dtype, device=device, streams=streams
         )
 
     runner = ModelRunner(
         model_path, dtype=dtype, device=device, kv_pool=create_kv_pool, req_to_token=req_pool.table,
-        attention_backend=args.attention_backend,
+        attention_backend=args.attention_backend, streams=streams,
     )
     kv_pool = runner.kv_pool
+    if device.type == "cuda" and not args.disable_cuda_graph:
+        if runner.attn_backend.graph_capturable:
+            from common.model.cuda_graphs import CudaGraphCapture
+
+            runner.enable_decode_graphs(args.cuda_graph_max_bs or args.max_running_requests, CudaGraphCapture(device))
+        else:
+            logger.warning("CUDA graphs off: the %s cannot be captured", type(runner.attn_backend).__name__)
     logger.info(
         "KV pool: %d tokens (%d pages of %d), %.1f MiB, %s",
         (kv_pool.num_pages - 1) * kv_pool.page_size, kv_pool.num_pages - 1, kv_pool.page_size,
@@ -162,13 +173,18 @@ def build_engine_core(
     radix = RadixCache(allocator, args.page_size, disable=args.disable_radix_cache, events=kv_events)
     kv = ReqKVManager(allocator, radix, req_pool, defer_frees=role.defer_frees)
     future_capacity = 4 * (req_pool.max_reqs + 8)
-    sampler = Sampler(config.vocab_size, req_pool.max_reqs, device)
+    sampler = Sampler(config.vocab_size, req_pool.max_reqs, device, streams=streams)
     worker = TorchModelWorker(runner, sampler, future_capacity=future_capacity)
     executor: Executor
     if not args.overlap_schedule:
         executor = SyncExecutor(worker)
     else:
-        executor = ThreadExecutor(worker, on_thread_start=on_device_thread(device, on_worker_start))
+        def on_thread_start() -> None:  # the worker's device and stream, then the caller's hook
+            worker.on_thread_start()
+            if on_worker_start is not None:
+                on_worker_start()
+
+        executor = ThreadExecutor(worker, on_thread_start=on_device_thread(device, on_thread_start))
     cfg = scheduler_config(args, context_length)
     built = role.build(
         SchedulerParts(cfg=cfg, executor=executor, kv=kv, kv_pool=kv_pool, future_capacity=future_capacity, output=output)

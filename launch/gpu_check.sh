@@ -5,7 +5,9 @@
 #
 # 1. the CUDA tests: flashinfer vs float64 attention (head_dim 64/128, GQA 1/3/4/5/7/8, pages
 #    1/16, bf16/fp16) and the backend's calls bound to the installed flashinfer's signatures
-# 2. host syncs inside the model forward over 100 decode steps (torch.cuda.set_sync_debug_mode)
+# 2. host syncs inside the model forward over 100 decode steps (torch.cuda.set_sync_debug_mode);
+#    the overlap loop (worker stream, CUDA graphs) at 32 requests: syncs, kernels and launches
+#    per decode step, GPU idle fraction (torch.profiler)
 # 3. PD parity: 1P1D through pd.sh (--device cuda --attention-backend flashinfer, one GPU per
 #    instance when there are two) gives the offline engine's greedy ids, token for token
 # 4. the transports UCX chose for the KV (UCX_PROTO_INFO=y): cuda_ipc / rc (GPUDirect RDMA)
@@ -48,6 +50,11 @@ row "cuda tests (flashinfer kernels)" "$( ((rc == 0)) && echo ok || echo FAIL)" 
 res=$(result_of "$WORK/syncs.log")
 ok=FAIL; [[ $res == *'"syncs_per_step": 0.0'* ]] && ok=ok
 row "syncs per decode step (forward)" "$ok" "${res:-$(tail -1 "$WORK/syncs.log")}"
+
+"$PY" bench/gpu_checks.py overlap "$MODEL_PATH" > "$WORK/overlap.log" 2>&1
+res=$(result_of "$WORK/overlap.log")
+ok=FAIL; [[ $res =~ \"syncs_per_step\":\ ([0-9.]+) ]] && awk "BEGIN{exit !(${BASH_REMATCH[1]} <= 1.0)}" && ok=ok
+row "overlap loop per decode step" "$ok" "${res:-$(tail -1 "$WORK/overlap.log")}"
 
 # 3-5. PD on GPUs: reference ids first (the offline engine), then pd.sh, parity, transports, bench
 "$PY" bench/gpu_checks.py reference "$MODEL_PATH" "$WORK/ref.json" > "$WORK/reference.log" 2>&1 \

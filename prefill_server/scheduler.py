@@ -15,9 +15,10 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from common.disaggregation import transfer_failure, transfer_stats
+from common.model.device_streams import READY, StepEvent
 from common.model.forward_batch import ForwardMode
 from common.scheduler.config import SchedulerConfig
 from common.scheduler.executor import Executor
@@ -32,13 +33,34 @@ logger = logging.getLogger(__name__)
 
 
 @dataclass
+class PendingPost:
+    """Pages whose KV a step still in flight on the device writes: posted once `after` completes."""
+
+    pages: list[int]
+    is_last: bool
+    aux: AuxRow | None
+    after: StepEvent
+
+
+@dataclass
 class PrefillSend:
     """One request's transfer to decode, owned by the PrefillScheduler."""
 
     sender: KVSender
-    pages_sent: int = 0  # pages of the prompt already handed to the sender
+    pages_sent: int = 0  # pages of the prompt handed to the sender or queued for it
     first_send_at: float | None = None
     prompt_done_at: float | None = None
+    pending: list[PendingPost] = field(default_factory=list)  # in order; posted by post_ready()
+
+    def post_ready(self) -> None:
+        """Hand the sender every queued post whose step has completed, in order (NIXL reads the
+        pages when it posts: never before the forward that writes them is done)."""
+        while self.pending and self.pending[0].after.query():
+            post = self.pending.pop(0)
+            if self.sender.poll() != KVPoll.Failed:
+                self.sender.send(post.pages, is_last=post.is_last, aux=post.aux)
+                if self.first_send_at is None:
+                    self.first_send_at = time.monotonic()
 
 
 class PrefillScheduler(Scheduler):
@@ -69,7 +91,10 @@ class PrefillScheduler(Scheduler):
         self.bootstrap_queue.append(req)
 
     def poll_transfers(self) -> None:
-        """Each loop iteration: move ready requests on, fail broken ones."""
+        """Each loop iteration: post pages whose step has completed, move ready requests on,
+        fail broken ones."""
+        for send in self.sends.values():
+            send.post_ready()
         still: list[Req] = []
         for req in list(self.bootstrap_queue):
             sender = self.sends[req].sender
@@ -112,7 +137,9 @@ class PrefillScheduler(Scheduler):
     def _num_pages(self, tokens: int) -> int:
         return -(-tokens // self.kv.page_size)
 
-    def _send_pages(self, req: Req, upto_tokens: int, *, is_last: bool) -> None:
+    def _send_pages(self, req: Req, upto_tokens: int, *, is_last: bool, after: StepEvent = READY) -> None:
+        """Queue the prompt's pages up to `upto_tokens` for the sender, posted once `after` (the
+        step writing their KV) completes."""
         send = self.sends[req]
         if send.sender.poll() == KVPoll.Failed:
             return
@@ -128,10 +155,9 @@ class PrefillScheduler(Scheduler):
             top = tuple(req.output_top_logprobs[0]) if req.output_top_logprobs else ()
             aux = AuxRow(first_token=req.output_ids[0], cached_tokens=req.cached_tokens, logprob=logprob,
                          top_logprobs=top)
-        send.sender.send(pages, is_last=is_last, aux=aux)
-        if send.first_send_at is None:
-            send.first_send_at = time.monotonic()
+        send.pending.append(PendingPost(pages, is_last, aux, after))
         send.pages_sent = last
+        send.post_ready()
 
     def _build(
         self, mode: ForwardMode, reqs: list[Req], lens: list[int], samples: list[bool], *, num_prefill_reqs: int = 0
@@ -146,13 +172,13 @@ class PrefillScheduler(Scheduler):
     def on_prompt_scheduled(self, req: Req) -> None:
         req.state = ReqState.RUNNING  # computing its last chunk; never joins self.running
 
-    def on_chunk_computed(self, req: Req, computed_len: int) -> None:
-        self._send_pages(req, computed_len, is_last=False)
+    def on_chunk_computed(self, req: Req, computed_len: int, done: StepEvent) -> None:
+        self._send_pages(req, computed_len, is_last=False, after=done)
 
-    def on_prompt_computed(self, req: Req) -> bool:
+    def on_prompt_computed(self, req: Req, done: StepEvent) -> bool:
         send = self.sends[req]
         send.prompt_done_at = time.monotonic()
-        self._send_pages(req, len(req.origin_input_ids), is_last=True)
+        self._send_pages(req, len(req.origin_input_ids), is_last=True, after=done)
         if send.sender.poll() == KVPoll.Failed:
             self._fail(req, send.sender)
         else:

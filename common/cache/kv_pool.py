@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from common.cache.host_arena import alloc_host_buffers
+from common.model.device_streams import DeviceStreams, HostStreams
 
 
 @dataclass(frozen=True)
@@ -65,7 +66,9 @@ class KVPool:
         head_dim: int,
         dtype: torch.dtype,
         device: torch.device | str = "cpu",
+        streams: DeviceStreams | None = None,
     ) -> None:
+        """streams: orders the host copies of retraction after the worker's queued steps."""
         assert num_pages >= 2, "need the reserved page 0 plus at least one usable page"
         self.num_layers = num_layers
         self.num_pages = num_pages
@@ -74,6 +77,7 @@ class KVPool:
         self.head_dim = head_dim
         self.dtype = dtype
         self.device = torch.device(device)
+        self.streams = streams or HostStreams(self.device)
         shape = (num_pages * page_size, num_kv_heads, head_dim)
         if self.device.type == "cpu":
             buffers = alloc_host_buffers([shape] * (2 * num_layers), dtype)
@@ -114,11 +118,14 @@ class KVPool:
 
     def copy_slots_to_host(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """[layers, n, heads * dim] host copies of K and V at `slots` (decode retraction)."""
+        self.streams.scheduler_waits_for_worker()
         k = torch.stack([self._flat(buf)[slots] for buf in self.k_buffers]).cpu()
         v = torch.stack([self._flat(buf)[slots] for buf in self.v_buffers]).cpu()
         return k, v
 
     def restore_slots_from_host(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """The inverse of copy_slots_to_host; the worker's next step waits for it."""
+        self.streams.scheduler_waits_for_worker()
         for layer in range(self.num_layers):
             self._flat(self.k_buffers[layer])[slots] = k[layer].to(self.device)
             self._flat(self.v_buffers[layer])[slots] = v[layer].to(self.device)

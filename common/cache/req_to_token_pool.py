@@ -17,15 +17,20 @@ from collections.abc import Sequence
 import torch
 
 from common.cache.errors import PoolInvariantError
+from common.model.device_streams import DeviceStreams, HostStreams
 
 
 class ReqToTokenPool:
-    def __init__(self, max_reqs: int, max_context_len: int, device: torch.device | str = "cpu") -> None:
+    def __init__(
+        self, max_reqs: int, max_context_len: int, device: torch.device | str = "cpu", streams: DeviceStreams | None = None
+    ) -> None:
+        """streams: orders the scheduler's writes (row zeroing) after the worker's queued steps."""
         if max_reqs < 1 or max_context_len < 1:
             raise ValueError(f"max_reqs={max_reqs}, max_context_len={max_context_len} must be >= 1")
         self.max_reqs = max_reqs
         self.max_context_len = max_context_len
         self.device = torch.device(device)
+        self.streams = streams or HostStreams(self.device)
         self.table = torch.zeros((max_reqs, max_context_len), dtype=torch.int64, device=self.device)
         self._free: list[int] = list(range(max_reqs - 1, -1, -1))
         self._is_free = bytearray(b"\x01" * max_reqs)
@@ -51,6 +56,7 @@ class ReqToTokenPool:
         if not 0 <= row < self.max_reqs or self._is_free[row]:
             what = "out of range" if not 0 <= row < self.max_reqs else "already free (double free)"
             raise PoolInvariantError(f"ReqToTokenPool.free(): row {row} is {what}")
+        self.streams.scheduler_waits_for_worker()  # a step in flight may still read the row
         self.table[row].zero_()
         self._is_free[row] = 1
         self._free.append(row)

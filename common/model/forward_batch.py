@@ -22,6 +22,8 @@ from dataclasses import dataclass
 
 import torch
 
+from common.model.device_streams import DeviceStreams, HostStreams
+
 
 class ForwardMode(enum.Enum):
     EXTEND = "extend"  # prefill (possibly a chunk, possibly after a cached prefix)
@@ -44,6 +46,8 @@ class ForwardBatch:
     seq_lens_cpu: list[int]
     prefix_lens_cpu: list[int]
     extend_lens_cpu: list[int]
+    # Row of each request's last token in the packed tokens; None when that is every row (decode).
+    last_index: torch.Tensor | None = None
 
     @property
     def batch_size(self) -> int:
@@ -64,22 +68,28 @@ class ForwardBatch:
         seq_lens: list[int],
         prefix_lens: list[int],
         device: torch.device | str = "cpu",
+        streams: DeviceStreams | None = None,
     ) -> ForwardBatch:
+        """The batch's tensors, staged by `streams` (one async host -> device copy on CUDA)."""
         extend_lens = [s - p for s, p in zip(seq_lens, prefix_lens, strict=True)]
         assert sum(extend_lens) == len(input_ids) == len(positions) == len(out_cache_loc), "inconsistent batch"
-
-        def t(x: list[int]) -> torch.Tensor:
-            return torch.tensor(x, dtype=torch.int64, device=device)
-
+        ends, last = [], 0
+        for n in extend_lens:
+            last += n
+            ends.append(last - 1)
+        all_rows = ends == list(range(len(input_ids)))
+        lists = [input_ids, positions, out_cache_loc, req_pool_indices, seq_lens, prefix_lens, extend_lens]
+        staged = (streams or HostStreams(torch.device(device))).stage(lists if all_rows else [*lists, ends], torch.int64)
         return cls(
             mode=mode,
-            input_ids=t(input_ids),
-            positions=t(positions),
-            out_cache_loc=t(out_cache_loc),
-            req_pool_indices=t(req_pool_indices),
-            seq_lens=t(seq_lens),
-            prefix_lens=t(prefix_lens),
-            extend_lens=t(extend_lens),
+            input_ids=staged[0],
+            positions=staged[1],
+            out_cache_loc=staged[2],
+            req_pool_indices=staged[3],
+            seq_lens=staged[4],
+            prefix_lens=staged[5],
+            extend_lens=staged[6],
+            last_index=None if all_rows else staged[7],
             seq_lens_cpu=list(seq_lens),
             prefix_lens_cpu=list(prefix_lens),
             extend_lens_cpu=extend_lens,

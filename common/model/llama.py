@@ -6,6 +6,9 @@ q/k/v and gate/up projections are fused into one matmul each; the loader
 splits the checkpoint tensors into them.
 
     tokens -> embed -> [ RMSNorm -> attention -> + -> RMSNorm -> SiLU MLP -> + ] x L -> RMSNorm
+
+Each "+ -> RMSNorm" is one add_rms_norm (fused_ops.py: one flashinfer kernel on a GPU), so a
+layer hands the next its MLP output and the residual stream separately.
     attention: qkv_proj -> (q/k norm) -> rope -> KV pool write -> backend -> o_proj
 """
 
@@ -19,8 +22,11 @@ from common.cache.kv_pool import KVPool
 from common.model.attention.base import AttentionBackend
 from common.model.config import ModelConfig
 from common.model.forward_batch import ForwardBatch
+from common.model.fused_ops import TorchOps
 from common.model.packed_linear import PackedLinear, prepack_linears
 from common.model.rope import RopeTable, RotaryEmbedding
+
+TORCH_OPS = TorchOps()
 
 
 class RMSNorm(nn.Module):
@@ -29,9 +35,12 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim, dtype=dtype))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
-        return self.weight * y.to(x.dtype)
+    def forward(self, x: torch.Tensor, ops: TorchOps = TORCH_OPS) -> torch.Tensor:
+        return ops.rms_norm(x, self.weight, self.eps)
+
+    def add(self, x: torch.Tensor, residual: torch.Tensor, ops: TorchOps) -> tuple[torch.Tensor, torch.Tensor]:
+        """(rmsnorm(x + residual), x + residual)"""
+        return ops.add_rms_norm(x, residual, self.weight, self.eps)
 
 
 class LlamaAttention(nn.Module):
@@ -79,9 +88,8 @@ class LlamaMLP(nn.Module):
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False, dtype=dtype)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False, dtype=dtype)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+    def forward(self, x: torch.Tensor, ops: TorchOps) -> torch.Tensor:
+        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -95,13 +103,22 @@ class LlamaDecoderLayer(nn.Module):
     def forward(
         self,
         x: torch.Tensor,
+        residual: torch.Tensor | None,
         batch: ForwardBatch,
         rope: RopeTable,
         kv_pool: KVPool,
         backend: AttentionBackend,
-    ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), batch, rope, kv_pool, backend)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        ops: TorchOps,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(this layer's MLP output, the residual stream before it); the next layer (or the
+        final norm) adds the two. residual None: x is the embedding."""
+        if residual is None:
+            residual, h = x, self.input_layernorm(x, ops)
+        else:
+            h, residual = self.input_layernorm.add(x, residual, ops)
+        h = self.self_attn(h, batch, rope, kv_pool, backend)
+        h, residual = self.post_attention_layernorm.add(h, residual, ops)
+        return self.mlp(h, ops), residual
 
 
 class LlamaModel(nn.Module):
@@ -130,6 +147,7 @@ class LlamaForCausalLM(nn.Module):
             else nn.Linear(config.hidden_size, config.vocab_size, bias=False, dtype=dtype)
         )
         self.packed_head: PackedLinear | None = None  # set by prepack_for_cpu
+        self.ops: TorchOps = TORCH_OPS  # the runner picks flashinfer's fused kernels where they run
 
     def prepack_for_cpu(self) -> None:
         """Every linear of the decoder, and the logits projection, as oneDNN packed linears
@@ -145,16 +163,13 @@ class LlamaForCausalLM(nn.Module):
         token [num_tokens, hidden] with all_tokens=True. Writes this step's K/V into kv_pool."""
         x = self.model.embed_tokens(batch.input_ids)
         rope = self.rope.table(batch.positions)
+        residual: torch.Tensor | None = None
         for layer in self.model.layers:
-            x = layer(x, batch, rope, kv_pool, backend)
-        if not all_tokens:
-            last, ends = 0, []
-            for n in batch.extend_lens_cpu:
-                last += n
-                ends.append(last - 1)
-            if ends != list(range(x.shape[0])):
-                x = x[torch.tensor(ends, dtype=torch.int64, device=x.device)]
-        return self.model.norm(x)
+            x, residual = layer(x, residual, batch, rope, kv_pool, backend, self.ops)
+        assert residual is not None, "a model without layers"
+        if not all_tokens and batch.last_index is not None:
+            x, residual = x[batch.last_index], residual[batch.last_index]
+        return self.model.norm.add(x, residual, self.ops)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.packed_head is not None:

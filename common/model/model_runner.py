@@ -17,7 +17,10 @@ import torch
 from common.cache.kv_pool import KVPool
 from common.model.attention import AttentionShape, create_attention_backend
 from common.model.config import ModelConfig, resolve_dtype
+from common.model.decode_graphs import DecodeGraphRunner, EagerCapture, StepCapture
+from common.model.device_streams import DeviceStreams, make_device_streams
 from common.model.forward_batch import ForwardBatch, ForwardMode
+from common.model.fused_ops import select_fused_ops
 from common.model.loader import build_model
 from common.model.packed_linear import prepack_supported
 
@@ -35,20 +38,25 @@ class ModelRunner:
         req_to_token: torch.Tensor,
         attention_backend: str = "auto",
         cpu_weight_prepack: bool = True,
+        streams: DeviceStreams | None = None,
     ) -> None:
         """model_path: an HF checkpoint dir (see default_model.resolve_model_path for "default").
         kv_pool: the pool, or a function that builds it, called once the weights are loaded (so a
         GPU pool can be sized from the memory the weights left, see memory_budget.py).
         cpu_weight_prepack: on CPU, run the linears through oneDNN on weights packed once
-        (packed_linear.py; where the dtype is native to the CPU)."""
+        (packed_linear.py; where the dtype is native to the CPU).
+        streams: host <-> device staging and ordering of the worker (device_streams.py); by
+        default the device's own (a worker stream on CUDA)."""
         self.model_config = ModelConfig.from_pretrained(model_path)
         self.device = torch.device(device)
         self.dtype = resolve_dtype(dtype, self.device)
         self.req_to_token = req_to_token
+        self.streams = streams or make_device_streams(self.device)
         if isinstance(kv_pool, KVPool):
             self._check_kv_memory(kv_pool)
         start = time.perf_counter()
         self.model = build_model(self.model_config, dtype=self.dtype, device=self.device)
+        self.model.ops = select_fused_ops(self.device, self.dtype)
         self.weights_prepacked = cpu_weight_prepack and prepack_supported(self.device, self.dtype)
         if self.weights_prepacked:
             self.model.prepack_for_cpu()
@@ -60,7 +68,7 @@ class ModelRunner:
             str(self.dtype).removeprefix("torch."),
             self.device,
             time.perf_counter() - start,
-            ", linears prepacked for oneDNN" if self.weights_prepacked else "",
+            (", linears prepacked for oneDNN" if self.weights_prepacked else "") + f", {self.model.ops.name} norm/act ops",
         )
         if not isinstance(kv_pool, KVPool):
             kv_pool = kv_pool()
@@ -72,8 +80,9 @@ class ModelRunner:
             head_dim=self.model_config.head_dim,
             scaling=self.model_config.head_dim**-0.5,
         )
+        self.decode_graphs: DecodeGraphRunner | None = None
         self.attn_backend = create_attention_backend(
-            attention_backend, shape=shape, kv_pool=kv_pool, req_to_token=req_to_token
+            attention_backend, shape=shape, kv_pool=kv_pool, req_to_token=req_to_token, streams=self.streams
         )
 
     def _check_kv_memory(self, kv_pool: KVPool) -> None:
@@ -86,15 +95,31 @@ class ModelRunner:
         return self.model_config.vocab_size
 
     @torch.inference_mode()
+    def enable_decode_graphs(self, max_bs: int, capture: StepCapture) -> None:
+        """Run decode batches of up to max_bs rows through one captured step per batch-size
+        bucket (decode_graphs.py); call before the first step."""
+        if not self.attn_backend.graph_capturable and not isinstance(capture, EagerCapture):
+            raise ValueError(f"the {type(self.attn_backend).__name__} cannot be captured in a CUDA graph")
+        self.decode_graphs = DecodeGraphRunner(self.model, self.kv_pool, self.attn_backend, max_bs=max_bs, capture=capture)
+
+    @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """float32 logits [batch_size, vocab] of each request's last token (writes the step's K/V)."""
         if batch.mode == ForwardMode.IDLE or batch.batch_size == 0:
             return torch.empty(0, self.vocab_size, dtype=torch.float32, device=self.device)
+        if self.decode_graphs is not None and self.decode_graphs.can_run(batch):
+            self._check(batch)
+            return self.decode_graphs.forward(batch)
         return self.model.compute_logits(self.forward_hidden(batch))
 
     @torch.inference_mode()
     def forward_hidden(self, batch: ForwardBatch, *, all_tokens: bool = False) -> torch.Tensor:
         """Final hidden states of the last token of each request, or of every token."""
+        self._check(batch)
+        self.attn_backend.init_forward_metadata(batch)
+        return self.model(batch, self.kv_pool, self.attn_backend, all_tokens=all_tokens)
+
+    def _check(self, batch: ForwardBatch) -> None:
         if min(batch.extend_lens_cpu, default=1) < 1:
             raise ValueError(f"every request needs >= 1 new token, got extend_lens {batch.extend_lens_cpu}")
         if max(batch.seq_lens_cpu, default=0) > self.model_config.context_length:
@@ -102,8 +127,6 @@ class ModelRunner:
                 f"sequence of {max(batch.seq_lens_cpu)} tokens exceeds the context length "
                 f"{self.model_config.context_length}"
             )
-        self.attn_backend.init_forward_metadata(batch)
-        return self.model(batch, self.kv_pool, self.attn_backend, all_tokens=all_tokens)
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -117,6 +140,7 @@ class ModelRunner:
         page_size: int,
         dtype: str | torch.dtype = "auto",
         device: torch.device | str = "cpu",
+        streams: DeviceStreams | None = None,
     ) -> KVPool:
         """A pool holding at least `max_total_tokens` token slots (plus the reserved page 0)."""
         if max_total_tokens < 1 or page_size < 1:
@@ -130,6 +154,7 @@ class ModelRunner:
             head_dim=config.head_dim,
             dtype=resolve_dtype(dtype, device),
             device=device,
+            streams=streams,
         )
 
     @staticmethod

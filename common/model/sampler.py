@@ -29,6 +29,7 @@ from typing import NamedTuple
 
 import torch
 
+from common.model.device_streams import DeviceStreams, HostStreams
 from common.model.sampling_info import SamplingBatchInfo
 
 __all__ = ["SampleOutput", "Sampler", "SamplingBatchInfo", "TopLogprobs"]
@@ -48,10 +49,13 @@ class SampleOutput(NamedTuple):
 
 
 class Sampler:
-    def __init__(self, vocab_size: int, max_rows: int, device: torch.device | str = "cpu") -> None:
+    def __init__(
+        self, vocab_size: int, max_rows: int, device: torch.device | str = "cpu", streams: DeviceStreams | None = None
+    ) -> None:
         self.vocab_size = vocab_size
         self.max_rows = max_rows
         self.device = torch.device(device)
+        self.streams = streams or HostStreams(self.device)
         self._steps = [0] * max_rows
         # Penalty state is allocated on first use ([max_rows, vocab] each); until then resets are recorded.
         self._counts: torch.Tensor | None = None
@@ -71,10 +75,10 @@ class Sampler:
 
     def _write_row(self, row: int, prompt_ids: Sequence[int], output_ids: Sequence[int]) -> None:
         assert self._counts is not None and self._prompt_mask is not None
+        prompt, out = self.streams.stage([prompt_ids, output_ids], torch.int64)
         self._prompt_mask[row].zero_()
-        self._prompt_mask[row, torch.tensor(list(prompt_ids), dtype=torch.int64, device=self.device)] = True
+        self._prompt_mask[row, prompt] = True
         self._counts[row].zero_()
-        out = torch.tensor(list(output_ids), dtype=torch.int64, device=self.device)
         self._counts[row].index_add_(0, out, torch.ones_like(out, dtype=torch.int32))
 
     def _ensure_penalty_state(self) -> tuple[torch.Tensor, torch.Tensor]:

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from common.model.device_streams import DeviceStreams, HostStreams
 from common.sampling_params import SamplingParams
 
 # Top-p without top-k first looks at this many most likely tokens (falls back to a full sort
@@ -62,7 +63,9 @@ class SamplingBatchInfo:
         device: torch.device | str = "cpu",
         return_logprob: bool = False,
         top_logprobs_nums: Sequence[int] | None = None,
+        streams: DeviceStreams | None = None,
     ) -> SamplingBatchInfo:
+        """streams: stages the per-row tensors (one async copy per dtype on CUDA)."""
         if len(params) != len(rows):
             raise ValueError(f"{len(params)} sampling params for {len(rows)} rows")
         if len(set(rows)) != len(rows):
@@ -73,9 +76,6 @@ class SamplingBatchInfo:
         greedy = [p.is_greedy for p in params]
         top_ks = [vocab_size if p.top_k < 0 else min(p.top_k, vocab_size) for p in params]
 
-        def f32(x: list[float]) -> torch.Tensor:
-            return torch.tensor(x, dtype=torch.float32, device=device)
-
         sampled = [p for p, g in zip(params, greedy, strict=True) if not g]
         restricted = [p.top_k for p in sampled if 0 < p.top_k < vocab_size]
         free = [p for p in sampled if not 0 < p.top_k < vocab_size]
@@ -83,17 +83,30 @@ class SamplingBatchInfo:
         if free:
             wide = TOP_P_CANDIDATES if all(p.top_p < 1.0 for p in free) else vocab_size
             candidate_k = max(candidate_k, wide)
+        stage = (streams or HostStreams(torch.device(device))).stage
+        rows_t, top_ks_t = stage([rows, top_ks], torch.int64)
+        floats = stage(
+            [
+                [1.0 if g else p.temperature for p, g in zip(params, greedy, strict=True)],
+                [p.top_p for p in params],
+                [p.min_p for p in params],
+                [p.repetition_penalty for p in params],
+                [p.frequency_penalty for p in params],
+                [p.presence_penalty for p in params],
+            ],
+            torch.float32,
+        )
         return cls(
-            rows=torch.tensor(list(rows), dtype=torch.int64, device=device),
+            rows=rows_t,
             rows_cpu=list(rows),
-            greedy=torch.tensor(greedy, dtype=torch.bool, device=device),
-            temperatures=f32([1.0 if g else p.temperature for p, g in zip(params, greedy, strict=True)])[:, None],
-            top_ks=torch.tensor(top_ks, dtype=torch.int64, device=device),
-            top_ps=f32([p.top_p for p in params]),
-            min_ps=f32([p.min_p for p in params]),
-            repetition_penalties=f32([p.repetition_penalty for p in params]),
-            frequency_penalties=f32([p.frequency_penalty for p in params]),
-            presence_penalties=f32([p.presence_penalty for p in params]),
+            greedy=stage([greedy], torch.bool)[0],
+            temperatures=floats[0][:, None],
+            top_ks=top_ks_t,
+            top_ps=floats[1],
+            min_ps=floats[2],
+            repetition_penalties=floats[3],
+            frequency_penalties=floats[4],
+            presence_penalties=floats[5],
             seeds=[p.seed for p in params],
             top_logprobs_nums=nums,
             return_logprob=return_logprob or any(nums),

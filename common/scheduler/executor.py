@@ -22,6 +22,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from common.model.device_streams import READY, StepEvent
 from common.model.forward_batch import ForwardMode
 from common.sampling_params import SamplingParams
 from common.scheduler.kv_manager import SlotWrite
@@ -80,6 +81,9 @@ class StepResult:
     forward_seconds: float = 0.0
     # per request of the step: (logprob of each target, top logprobs per target or None), or None
     prompt_logprobs: list[PromptLogprobs | None] | None = None
+    # Completes when the step's device work (its KV writes included) has finished. A step that
+    # samples nothing returns before that: whatever reads its KV (a KV send) waits on this.
+    done: StepEvent = READY
 
 
 class ModelWorker(Protocol):

@@ -23,12 +23,17 @@ class TorchModelWorker:
         self.runner = runner
         self.sampler = sampler
         self.device = runner.device
+        self.streams = runner.streams
         self.req_to_token = runner.req_to_token
         self.future_tokens = torch.zeros(future_capacity, dtype=torch.int64, device=self.device)
 
     @property
     def future_capacity(self) -> int:
         return int(self.future_tokens.shape[0])
+
+    def on_thread_start(self) -> None:
+        """The overlap loop's worker thread: its device and its own stream."""
+        self.streams.enter_worker()
 
     def _apply_slot_writes(self, batch: WorkerBatch) -> None:
         if not batch.slot_writes:
@@ -40,26 +45,26 @@ class TorchModelWorker:
             rows.extend([w.row] * len(w.slots))
             cols.extend(range(w.start, w.start + len(w.slots)))
             vals.extend(w.slots)
-        dev = self.device
-        self.req_to_token[torch.tensor(rows, device=dev), torch.tensor(cols, device=dev)] = torch.tensor(
-            vals, dtype=self.req_to_token.dtype, device=dev
-        )
+        r, c, v = self.streams.stage([rows, cols, vals], torch.int64)
+        self.req_to_token[r, c] = v.to(self.req_to_token.dtype)
 
     def _forward_batch(self, b: WorkerBatch) -> ForwardBatch:
         fb = ForwardBatch.build(
             b.mode, b.input_ids, b.positions, b.out_cache_loc, b.req_pool_indices, b.seq_lens, b.prefix_lens,
-            device=self.device,
+            device=self.device, streams=self.streams,
         )
         ids = fb.input_ids
-        if min(b.input_ids) < 0:
+        if min(b.input_ids) < 0:  # FutureMap placeholders, resolved on the device
             pending = ids < 0
             fb.input_ids = torch.where(pending, self.future_tokens[(-ids - 1).clamp(min=0)], ids)
         return fb
 
     @torch.inference_mode()
     def run(self, batch: WorkerBatch) -> StepResult:
+        """Queue the step's device work; wait (the step's one host sync) only for sampled tokens."""
         start = time.perf_counter()
         step_fault.before_forward()  # test-only: --engine-fault-spec makes this forward slow or hang
+        self.streams.worker_waits_for_scheduler()
         self._apply_slot_writes(batch)
         fb = self._forward_batch(batch)
         for s in batch.sampling:
@@ -70,47 +75,61 @@ class TorchModelWorker:
             # Only steps with a request asking for prompt logprobs pay for every position's hidden state.
             hidden = self.runner.forward_hidden(fb, all_tokens=True)
             prompt_logprobs = self._prompt_logprobs(hidden, batch)
-            ends = torch.tensor(batch.extend_lens_cumsum(), device=self.device) - 1
+            ends = self.streams.stage_one([e - 1 for e in batch.extend_lens_cumsum()])
             logits = self.runner.compute_logits(hidden[ends])
         else:
             logits = self.runner.forward(fb)
+        done = self.streams.record()  # the step's KV is written once this completes
+        n = len(batch.sampling)
         # Only requests whose token is kept are sampled: a non-final prompt chunk must not
         # advance its row's seed step or penalty counts.
-        keep = [i for i, s in enumerate(batch.samples) if s] if batch.samples else list(range(len(batch.sampling)))
+        keep = [i for i, s in enumerate(batch.samples) if s] if batch.samples else list(range(n))
+        if not keep:  # nothing to stream (non-final prompt chunks): no host sync at all
+            return StepResult(next_token_ids=[0] * n, forward_seconds=time.perf_counter() - start,
+                              prompt_logprobs=prompt_logprobs, done=done)
         rows = [batch.sampling[i] for i in keep]
-        next_ids = torch.zeros(len(batch.sampling), dtype=torch.int64, device=self.device)
+        everyone = len(keep) == n
+        index, future = self.streams.stage([keep, [batch.future_indices[i] for i in keep]], torch.int64)
+        info = SamplingBatchInfo.from_params(
+            [s.params for s in rows],
+            [s.row for s in rows],
+            vocab_size=self.runner.vocab_size,
+            device=self.device,
+            return_logprob=any(s.return_logprob for s in rows),
+            top_logprobs_nums=[s.top_logprobs_num for s in rows],
+            streams=self.streams,
+        )
+        out = self.sampler.sample(logits if everyone else logits[index], info)
+        self.future_tokens[future] = out.next_token_ids
+        wanted = [out.next_token_ids]
+        if out.logprobs is not None:
+            wanted.append(out.logprobs)
+        if out.top_logprobs is not None:
+            wanted += [out.top_logprobs.values, out.top_logprobs.token_ids]
+        fetched = iter(self.streams.fetch(wanted))
+        kept_ids: list[int] = next(fetched)
+        next_ids = [0] * n
+        for i, t in zip(keep, kept_ids, strict=True):
+            next_ids[i] = t
         logprobs: list[float] | None = None
         top: list[list[tuple[int, float]]] | None = None
-        if rows:
-            index = torch.tensor(keep, device=self.device)
-            info = SamplingBatchInfo.from_params(
-                [s.params for s in rows],
-                [s.row for s in rows],
-                vocab_size=self.runner.vocab_size,
-                device=self.device,
-                return_logprob=any(s.return_logprob for s in rows),
-                top_logprobs_nums=[s.top_logprobs_num for s in rows],
-            )
-            out = self.sampler.sample(logits[index], info)
-            next_ids[index] = out.next_token_ids
-            future = torch.tensor([batch.future_indices[i] for i in keep], device=self.device)
-            self.future_tokens[future] = out.next_token_ids
-            if out.logprobs is not None:
-                logprobs = [0.0] * len(batch.sampling)
-                for i, lp in zip(keep, out.logprobs.tolist(), strict=True):
-                    logprobs[i] = lp
-            if out.top_logprobs is not None:
-                values, ids = out.top_logprobs.values.tolist(), out.top_logprobs.token_ids.tolist()
-                top = [[] for _ in batch.sampling]
-                for j, (i, s) in enumerate(zip(keep, rows, strict=True)):
-                    n = s.top_logprobs_num
-                    top[i] = list(zip(ids[j][:n], values[j][:n], strict=True))
+        if out.logprobs is not None:
+            logprobs = [0.0] * n
+            for i, lp in zip(keep, next(fetched), strict=True):
+                logprobs[i] = lp
+        if out.top_logprobs is not None:
+            values, ids = next(fetched), next(fetched)
+            top = [[] for _ in batch.sampling]
+            for j, (i, s) in enumerate(zip(keep, rows, strict=True)):
+                k = s.top_logprobs_num
+                top[i] = list(zip(ids[j][:k], values[j][:k], strict=True))
         return StepResult(
-            next_token_ids=next_ids.tolist(),
+            next_token_ids=next_ids,
             logprobs=logprobs,
             top_logprobs=top,
             forward_seconds=time.perf_counter() - start,
             prompt_logprobs=prompt_logprobs,
+            done=done,
         )
 
     def _prompt_logprobs(self, hidden: torch.Tensor, batch: WorkerBatch) -> list[PromptLogprobs | None]:

@@ -21,6 +21,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from common.model.device_streams import StepEvent
 from common.model.forward_batch import ForwardMode
 from common.scheduler.config import SchedulerConfig
 from common.scheduler.executor import Executor, FutureIndexAllocator, PromptLogprobs, StepHandle, StepResult
@@ -331,14 +332,15 @@ class Scheduler:
         req.state = ReqState.RUNNING
         self.running.append(req)
 
-    def on_chunk_computed(self, req: Req, computed_len: int) -> None:
+    def on_chunk_computed(self, req: Req, computed_len: int, done: StepEvent) -> None:
         """A non-final prompt chunk of req has been computed: KV of tokens [0, computed_len)
-        is written (req.kv_len may already include the next chunk, scheduled meanwhile)."""
+        is written once `done` completes (the step samples nothing, so the worker did not wait
+        for it; req.kv_len may already include the next chunk, scheduled meanwhile)."""
 
-    def on_prompt_computed(self, req: Req) -> bool:
-        """req's whole prompt is computed and its first token appended. Return True when the
-        role takes the request over (e.g. prefill sends it to decode); colocated: cache the
-        prompt pages and keep decoding."""
+    def on_prompt_computed(self, req: Req, done: StepEvent) -> bool:
+        """req's whole prompt is computed (its KV written once `done` completes) and its first
+        token appended. Return True when the role takes the request over (e.g. prefill sends
+        it to decode); colocated: cache the prompt pages and keep decoding."""
         self.kv.cache_prefix(req)
         return False
 
@@ -369,7 +371,7 @@ class Scheduler:
             if prompt_logprobs is not None:
                 _add_prompt_logprobs(req, prompt_logprobs)
             if not samples:
-                self.on_chunk_computed(req, batch.worker_batch.seq_lens[i])
+                self.on_chunk_computed(req, batch.worker_batch.seq_lens[i], result.done)
                 continue
             token = result.next_token_ids[i]
             if req.sampling_params.max_new_tokens == 0:  # prompt only (e.g. prompt logprobs): no token
@@ -380,7 +382,7 @@ class Scheduler:
                 req.output_logprobs.append(result.logprobs[i])
                 if result.top_logprobs is not None:
                     req.output_top_logprobs.append(result.top_logprobs[i])
-            if batch.is_prompt(i) and self.on_prompt_computed(req):
+            if batch.is_prompt(i) and self.on_prompt_computed(req, result.done):
                 continue
             reason = req.check_finished(token)
             if reason is not None:

@@ -59,6 +59,8 @@ class ServerArgs:
     enable_mixed_chunk: bool = False
     disable_radix_cache: bool = False
     attention_backend: str = "auto"
+    cuda_graph_max_bs: int | None = None
+    disable_cuda_graph: bool = False
     random_seed: int | None = None
     # Prefill/decode disaggregation
     disaggregation_mode: str = "null"
@@ -105,7 +107,7 @@ class ServerArgs:
         for name in positive:
             if getattr(self, name) <= 0:
                 return f"--{_flag(name)} must be > 0, got {getattr(self, name)}"
-        optional_positive = ("max_total_tokens", "context_length", "request_timeout")
+        optional_positive = ("max_total_tokens", "context_length", "request_timeout", "cuda_graph_max_bs")
         for name in optional_positive:
             value = getattr(self, name)
             if value is not None and value <= 0:
@@ -245,6 +247,9 @@ _HELP: dict[str, str] = {
     "enable_mixed_chunk": "run a prefill chunk and decode steps in one batch",
     "disable_radix_cache": "no prefix cache",
     "attention_backend": "attention kernels (auto: flashinfer on CUDA when installed, torch elsewhere)",
+    "cuda_graph_max_bs": "CUDA: decode batches up to this size run as CUDA graphs, one per batch-size bucket "
+    "(default: --max-running-requests)",
+    "disable_cuda_graph": "CUDA: run every decode step eagerly (no CUDA graphs)",
     "random_seed": "seed for sampling",
     "disaggregation_mode": "null (colocated), prefill or decode",
     "disaggregation_bootstrap_port": "prefill's bootstrap server port",

@@ -138,10 +138,17 @@ class BatchDecodeWithPagedKVCacheWrapper:
         backend: str = "auto",
         jit_args: list[Any] | None = None,
     ) -> None:
-        if kv_layout != "NHD" or use_cuda_graph or jit_args is not None:
-            raise NotImplementedError("the reference covers NHD, no CUDA graphs, no custom JIT")
+        if kv_layout != "NHD" or jit_args is not None:
+            raise NotImplementedError("the reference covers NHD, no custom JIT")
         self.use_tensor_cores = use_tensor_cores
         self._plan: _Plan | None = None
+        # CUDA-graph mode: plan() copies into these fixed buffers, run() reads them
+        self._graph_buffers: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        if use_cuda_graph:
+            buffers = (paged_kv_indptr_buffer, paged_kv_indices_buffer, paged_kv_last_page_len_buffer)
+            if any(b is None or b.dtype != torch.int32 for b in buffers):
+                raise ValueError("use_cuda_graph needs int32 indptr / indices / last_page_len buffers")
+            self._graph_buffers = buffers  # type: ignore[assignment]
 
     @_recorded
     def plan(
@@ -180,9 +187,20 @@ class BatchDecodeWithPagedKVCacheWrapper:
         q_dtype = _dtype(data_type if q_data_type is None else q_data_type, torch.float16)
         kv_dtype = _dtype(kv_data_type if kv_data_type is not None else data_type, q_dtype)
         kv_indptr = _host_list(indptr, "indptr")
+        last = _host_list(last_page_len, "last_page_len")
+        if self._graph_buffers is not None:
+            indptr_buf, indices_buf, last_buf = self._graph_buffers
+            if len(last) != last_buf.numel():
+                raise ValueError(f"batch size {len(last)} != the CUDA graph's fixed batch size {last_buf.numel()}")
+            if indices.numel() > indices_buf.numel():
+                raise ValueError("the page indices overflow the CUDA graph's indices buffer")
+            indptr_buf.copy_(torch.tensor(kv_indptr, dtype=torch.int32))
+            last_buf.copy_(torch.tensor(last, dtype=torch.int32))
+            indices_buf[: indices.numel()].copy_(indices)
+            indices = indices_buf[: indices.numel()]  # run() reads the buffer, as a replayed graph does
         self._plan = _Plan(
             qo_indptr=list(range(len(kv_indptr))), kv_indptr=kv_indptr, indices=indices,
-            last=_host_list(last_page_len, "last_page_len"), num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
+            last=last, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
             head_dim=head_dim, page_size=page_size, causal=False, sm_scale=sm_scale, q_dtype=q_dtype,
             kv_dtype=kv_dtype, o_dtype=_dtype(o_data_type, q_dtype),
         )
@@ -304,3 +322,57 @@ class BatchPrefillWithPagedKVCacheWrapper:
         options = (q_scale, k_scale, v_scale, out, lse, return_lse, enable_pdl, window_left, sinks, kv_cache_sf,
                    skip_softmax_threshold_scale_factor)
         return _run(self._plan, q, paged_kv_cache, args, options)
+
+
+# ---- the fused elementwise kernels (flashinfer.norm / flashinfer.activation, top-level names) ----
+
+
+def _check_fused(x: torch.Tensor, name: str) -> None:
+    if x.dtype not in DTYPES:
+        raise RuntimeError(f"{name}: unsupported dtype {x.dtype}")
+    if not x.is_contiguous():
+        raise ValueError(f"{name}: input must be contiguous")
+
+
+def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """fp32 math, weight applied in fp32, one rounding at the end (as the kernels do)."""
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * weight.float()).to(x.dtype)
+
+
+def rmsnorm(input: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, out: torch.Tensor | None = None,
+            enable_pdl: bool | None = None) -> torch.Tensor:
+    CALLS.append(("rmsnorm", (input, weight), {"eps": eps}))
+    _check_fused(input, "rmsnorm")
+    if input.dim() != 2 or weight.shape != (input.shape[1],):
+        raise ValueError(f"rmsnorm: input must be [tokens, hidden], weight [hidden]; got {tuple(input.shape)}")
+    y = _rms(input, weight, eps)
+    if out is None:
+        return y
+    out.copy_(y)
+    return out
+
+
+def fused_add_rmsnorm(input: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6,
+                      enable_pdl: bool | None = None) -> None:
+    """In place: residual += input; input = rmsnorm(residual) * weight."""
+    CALLS.append(("fused_add_rmsnorm", (input, residual, weight), {"eps": eps}))
+    _check_fused(input, "fused_add_rmsnorm")
+    _check_fused(residual, "fused_add_rmsnorm")
+    if input.dim() != 2 or input.shape != residual.shape or weight.shape != (input.shape[1],):
+        raise ValueError("fused_add_rmsnorm: input and residual must be [tokens, hidden], weight [hidden]")
+    residual.copy_((residual.float() + input.float()).to(residual.dtype))
+    input.copy_(_rms(residual, weight, eps))
+
+
+def silu_and_mul(input: torch.Tensor, out: torch.Tensor | None = None, enable_pdl: bool | None = None) -> torch.Tensor:
+    CALLS.append(("silu_and_mul", (input,), {}))
+    _check_fused(input, "silu_and_mul")
+    if input.shape[-1] % 2:
+        raise ValueError("silu_and_mul: the last dimension must be even")
+    gate, up = input.float().chunk(2, dim=-1)
+    y = (torch.nn.functional.silu(gate) * up).to(input.dtype)
+    if out is None:
+        return y
+    out.copy_(y)
+    return out

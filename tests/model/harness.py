@@ -38,16 +38,19 @@ class PagedHarness:
         max_context: int = 256,
         attention_backend: str = "torch",
         seed: int = 0,
+        device: str | torch.device = "cpu",
     ) -> None:
         config = ModelConfig.from_pretrained(model_path)
+        self.device = torch.device(device)
         self.page_size = page_size
         self.pool = ModelRunner.create_kv_pool(
-            config, max_total_tokens=max_reqs * max_context * 2, page_size=page_size, dtype=dtype
+            config, max_total_tokens=max_reqs * max_context * 2, page_size=page_size, dtype=dtype, device=self.device
         )
-        self.req_to_token = torch.zeros(max_reqs, max_context, dtype=torch.int32)
+        self.req_to_token = torch.zeros(max_reqs, max_context, dtype=torch.int32, device=self.device)
         self.runner = ModelRunner(
             model_path,
             dtype=dtype,
+            device=self.device,
             kv_pool=self.pool,
             req_to_token=self.req_to_token,
             attention_backend=attention_backend,
@@ -89,7 +92,7 @@ class PagedHarness:
             rows.append(self.seqs[name].row)
             prefix_lens.append(prefix)
             seq_lens.append(prefix + len(new))
-        return ForwardBatch.build(mode, ids, positions, slots, rows, seq_lens, prefix_lens)
+        return ForwardBatch.build(mode, ids, positions, slots, rows, seq_lens, prefix_lens, device=self.device)
 
     def step(self, mode: ForwardMode, steps: list[tuple[str, list[int]]]) -> torch.Tensor:
         """Run one step; float32 logits of EVERY new token [num_tokens, vocab]."""

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from common.cache.kv_pool import KVPool
+from common.model.device_streams import DeviceStreams, HostStreams
 from common.model.forward_batch import ForwardBatch
 
 
@@ -33,7 +34,10 @@ class AttentionShape:
 
 
 class AttentionBackend(ABC):
-    def __init__(self, *, shape: AttentionShape, kv_pool: KVPool, req_to_token: torch.Tensor) -> None:
+    def __init__(
+        self, *, shape: AttentionShape, kv_pool: KVPool, req_to_token: torch.Tensor, streams: DeviceStreams | None = None
+    ) -> None:
+        """streams: how index tensors built on the host reach the device (never a blocking copy)."""
         if shape.num_heads % shape.num_kv_heads:
             raise ValueError(f"num_heads {shape.num_heads} is not a multiple of num_kv_heads {shape.num_kv_heads}")
         if req_to_token.dim() != 2:
@@ -41,6 +45,20 @@ class AttentionBackend(ABC):
         self.shape = shape
         self.kv_pool = kv_pool
         self.req_to_token = req_to_token
+        self.streams = streams or HostStreams(kv_pool.device)
+        self.decode_bucket: int | None = None  # set while a bucketed decode step runs
+
+    # True when init_forward_metadata leaves everything forward() reads in fixed device buffers,
+    # so a decode step can be captured in a CUDA graph (decode_graphs.py).
+    graph_capturable = False
+
+    def prepare_decode_buckets(self, sizes: list[int]) -> None:
+        """Allocate whatever a decode step padded to each of `sizes` rows needs at fixed addresses."""
+        self.decode_bucket = None
+
+    def use_decode_bucket(self, size: int | None) -> None:
+        """The next decode steps are padded to `size` rows (None: not bucketed)."""
+        self.decode_bucket = size
 
     @abstractmethod
     def init_forward_metadata(self, batch: ForwardBatch) -> None:

@@ -10,11 +10,14 @@ table is read from req_to_token at every page_size-th token:
 
 DECODE batches use the decode wrapper (tensor cores for GQA groups >= 4: the CUDA-core
 kernel only exists for a few group sizes); EXTEND/MIXED use the paged prefill wrapper,
-whose causal mask is aligned to the end of each sequence (full over the prefix).
+whose causal mask is aligned to the end of each sequence (full over the prefix). Decode
+steps captured in CUDA graphs (decode_graphs.py) use a decode wrapper per batch-size bucket
+in use_cuda_graph=True mode, planned before each replay.
 
-plan() gets the indptr / last-page arrays as host tensors (flashinfer copies device ones
-back to the host, a sync per step) and the page indices as a device tensor gathered
-without a boolean mask (which would sync too; launch/gpu_check.sh counts syncs). Both
+plan() gets the indptr / last-page arrays as pinned host tensors (flashinfer copies device
+ones back to the host, a sync per step, and copies pageable ones to the device blocking) and
+the page indices as a device tensor gathered without a boolean mask (which would sync too;
+launch/gpu_check.sh and tests/model/test_host_syncs.py count syncs). Both
 wrappers are planned and run once at construction on the reserved page 0, so the JIT
 compile of every kernel happens at startup, not on the first request.
 """
@@ -32,14 +35,17 @@ from common.model.attention.flashinfer_support import (
     flashinfer_shape_problem,
     load_flashinfer,
 )
+from common.model.device_streams import DeviceStreams
 from common.model.forward_batch import ForwardBatch, ForwardMode
 
 WORKSPACE_BYTES = 128 * 1024 * 1024
 
 
 class FlashInferAttentionBackend(AttentionBackend):
-    def __init__(self, *, shape: AttentionShape, kv_pool: KVPool, req_to_token: torch.Tensor) -> None:
-        super().__init__(shape=shape, kv_pool=kv_pool, req_to_token=req_to_token)
+    def __init__(
+        self, *, shape: AttentionShape, kv_pool: KVPool, req_to_token: torch.Tensor, streams: DeviceStreams | None = None
+    ) -> None:
+        super().__init__(shape=shape, kv_pool=kv_pool, req_to_token=req_to_token, streams=streams)
         flashinfer = load_flashinfer(kv_pool.device)
         problem = flashinfer_shape_problem(shape, kv_pool.dtype)
         if problem is not None:
@@ -50,6 +56,8 @@ class FlashInferAttentionBackend(AttentionBackend):
             workspace, "NHD", use_tensor_cores=self.decode_tensor_cores
         )
         self._prefill: Any = flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD")
+        self._workspace = workspace
+        self._graph_decode: dict[int, Any] = {}  # bucket size -> use_cuda_graph=True decode wrapper
         self._use_decode = False
         page, hkv, d = kv_pool.page_size, kv_pool.num_kv_heads, kv_pool.head_dim
         self._caches = [
@@ -57,6 +65,26 @@ class FlashInferAttentionBackend(AttentionBackend):
             for k, v in zip(kv_pool.k_buffers, kv_pool.v_buffers, strict=True)
         ]
         self._warm_up()
+
+    graph_capturable = True
+
+    def prepare_decode_buckets(self, sizes: list[int]) -> None:
+        """One decode wrapper per bucket in CUDA-graph mode: its indptr / page indices /
+        last-page buffers sit at fixed addresses, refilled by plan() before each replay."""
+        super().prepare_decode_buckets(sizes)
+        flashinfer = load_flashinfer(self.kv_pool.device)
+        device = self.kv_pool.device
+        max_pages = self.req_to_token.shape[1] // self.kv_pool.page_size + 1
+        for size in sizes:
+            self._graph_decode[size] = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+                self._workspace, "NHD", use_cuda_graph=True, use_tensor_cores=self.decode_tensor_cores,
+                paged_kv_indptr_buffer=torch.zeros(size + 1, dtype=torch.int32, device=device),
+                paged_kv_indices_buffer=torch.zeros(size * max_pages, dtype=torch.int32, device=device),
+                paged_kv_last_page_len_buffer=torch.zeros(size, dtype=torch.int32, device=device),
+            )
+
+    def _decode_wrapper(self) -> Any:
+        return self._decode if self.decode_bucket is None else self._graph_decode[self.decode_bucket]
 
     def _warm_up(self) -> None:
         """One decode and one prefill call over the reserved page 0 (never handed to a request)."""
@@ -76,17 +104,19 @@ class FlashInferAttentionBackend(AttentionBackend):
         num_pages = [(s + page - 1) // page for s in batch.seq_lens_cpu]
         total = sum(num_pages)
         indptr = _cumsum0(num_pages)
-        last = torch.tensor(
-            [s - (n - 1) * page for s, n in zip(batch.seq_lens_cpu, num_pages, strict=True)], dtype=torch.int32
-        )
+        last = [s - (n - 1) * page for s, n in zip(batch.seq_lens_cpu, num_pages, strict=True)]
         # Page k of request r is req_to_token[row_r, k * page] // page, gathered in request order
-        # (host -> device copies are non_blocking and output_size is given: nothing here syncs).
-        pages_per_req = torch.tensor(num_pages).to(device, non_blocking=True)
+        # (staged host -> device copies and output_size given: nothing here syncs).
+        pages_per_req, first_page = self.streams.stage([num_pages, indptr[:-1]], torch.int64)
         rows = batch.req_pool_indices.repeat_interleave(pages_per_req, output_size=total)
-        first = indptr[:-1].to(device, non_blocking=True).repeat_interleave(pages_per_req, output_size=total)
+        first = first_page.repeat_interleave(pages_per_req, output_size=total)
         cols = (torch.arange(total, device=device) - first) * page
         indices = (self.req_to_token[rows, cols] // page).to(torch.int32)
-        self._plan(batch.mode, indptr, indices, last, qo_indptr=_cumsum0(batch.extend_lens_cpu))
+        host = self.streams.host
+        self._plan(
+            batch.mode, host(indptr, torch.int32), indices, host(last, torch.int32),
+            qo_indptr=host(_cumsum0(batch.extend_lens_cpu), torch.int32),
+        )
 
     def _plan(
         self, mode: ForwardMode, indptr: torch.Tensor, indices: torch.Tensor, last: torch.Tensor, *, qo_indptr: torch.Tensor
@@ -101,21 +131,21 @@ class FlashInferAttentionBackend(AttentionBackend):
         )
         self._use_decode = mode == ForwardMode.DECODE
         if self._use_decode:
-            self._decode.plan(indptr, indices, last, head_dim=self.shape.head_dim, **common)
+            self._decode_wrapper().plan(indptr, indices, last, head_dim=self.shape.head_dim, **common)
         else:
             self._prefill.plan(qo_indptr, indptr, indices, last, head_dim_qk=self.shape.head_dim, causal=True, **common)
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, batch: ForwardBatch
     ) -> torch.Tensor:
-        wrapper = self._decode if self._use_decode else self._prefill
+        wrapper = self._decode_wrapper() if self._use_decode else self._prefill
         o = wrapper.run(q.to(self.kv_pool.dtype).contiguous(), self._caches[layer_id])
         return o.to(q.dtype).reshape(q.shape[0], -1)
 
 
-def _cumsum0(lengths: list[int]) -> torch.Tensor:
-    """[0, l0, l0 + l1, ...] as an int32 host tensor."""
+def _cumsum0(lengths: list[int]) -> list[int]:
+    """[0, l0, l0 + l1, ...]"""
     out = [0]
     for n in lengths:
         out.append(out[-1] + n)
-    return torch.tensor(out, dtype=torch.int32)
+    return out

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 
 from common.cache.kv_pool import KVPool
 from common.model.attention.base import AttentionBackend, AttentionShape
+from common.model.device_streams import DeviceStreams
 from common.model.forward_batch import ForwardBatch
 
 # Per-group fixed cost (gather + SDPA call + index ops) in padded K/V rows it is worth.
@@ -88,8 +89,10 @@ class _ExtendSeq:
 
 
 class TorchAttentionBackend(AttentionBackend):
-    def __init__(self, *, shape: AttentionShape, kv_pool: KVPool, req_to_token: torch.Tensor) -> None:
-        super().__init__(shape=shape, kv_pool=kv_pool, req_to_token=req_to_token)
+    def __init__(
+        self, *, shape: AttentionShape, kv_pool: KVPool, req_to_token: torch.Tensor, streams: DeviceStreams | None = None
+    ) -> None:
+        super().__init__(shape=shape, kv_pool=kv_pool, req_to_token=req_to_token, streams=streams)
         self._decode: list[_DecodeGroup] = []
         self._extends: list[_ExtendSeq] = []
 
@@ -106,18 +109,26 @@ class TorchAttentionBackend(AttentionBackend):
 
         self._decode = []
         ps = self.kv_pool.page_size
-        for group in decode_groups([batch.seq_lens_cpu[r] for r in single]) if single else []:
-            rows_cpu = [single[i] for i in group]
-            in_order = rows_cpu == list(range(len(ext)))
-            rows = torch.tensor(rows_cpu, dtype=torch.int64, device=device)
-            seq_lens = batch.seq_lens if in_order else batch.seq_lens[rows]
+        groups = [[single[i] for i in g] for g in decode_groups([batch.seq_lens_cpu[r] for r in single])] if single else []
+        in_order = [rows_cpu == list(range(len(ext))) for rows_cpu in groups]
+        # the row indices and token indices of every reordered group, staged in one copy
+        staged = iter(self.streams.stage(
+            [x for g, o in zip(groups, in_order, strict=True) if not o for x in (g, [starts[r] for r in g])],
+            torch.int64,
+        ))
+        for rows_cpu, ordered in zip(groups, in_order, strict=True):
             length = max(batch.seq_lens_cpu[r] for r in rows_cpu)
-            page_starts = table[:, :length:ps] if in_order else table[rows, :length:ps]  # [n, pages]
+            token_index: torch.Tensor | None = None
+            if ordered:
+                seq_lens, page_starts = batch.seq_lens, table[:, :length:ps]  # page_starts: [n, pages]
+            else:
+                rows, token_index = next(staged), next(staged)
+                seq_lens, page_starts = batch.seq_lens[rows], table[rows, :length:ps]
             length = page_starts.shape[1] * ps  # padded to whole pages: gathered page by page
             valid = torch.arange(length, device=device)[None, :] < seq_lens[:, None]
             self._decode.append(
                 _DecodeGroup(
-                    token_index=None if in_order else torch.tensor([starts[r] for r in rows_cpu], device=device),
+                    token_index=token_index,
                     kv_pages=page_starts.masked_fill(~valid[:, ::ps], 0) // ps,
                     mask=valid[:, None, None, :],
                 )

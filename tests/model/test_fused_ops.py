@@ -1,0 +1,82 @@
+"""flashinfer's fused RMSNorm (+ residual) and SiLU-and-mul against the torch ops (fused_ops.py).
+
+On CPU the kernels are tests/model/flashinfer_reference.py's stand-ins, with the real
+signatures and restrictions (fp16/bf16, 2-D contiguous inputs, in-place fused_add_rmsnorm);
+on a GPU the same comparisons run on the real kernels.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from common.model.forward_batch import ForwardMode
+from common.model.fused_ops import FlashInferOps, TorchOps, select_fused_ops
+from common.model.testing import build_tiny_checkpoint
+from tests.model import flashinfer_reference
+from tests.model.harness import PagedHarness
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+def fused_ops(device: str, monkeypatch: pytest.MonkeyPatch) -> TorchOps:
+    if device == "cpu":
+        flashinfer_reference.install(monkeypatch)
+    else:
+        pytest.importorskip("flashinfer")
+    ops = select_fused_ops(torch.device(device), torch.bfloat16)
+    assert isinstance(ops, FlashInferOps)
+    return ops
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_each_fused_op_matches_torch(device: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    ops, ref = fused_ops(device, monkeypatch), TorchOps()
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(7, 128, generator=g).to(device, torch.bfloat16)
+    res = torch.randn(7, 128, generator=g).to(device, torch.bfloat16)
+    w = (1 + 0.1 * torch.randn(128, generator=g)).to(device, torch.bfloat16)
+    tol = {"rtol": 2e-2, "atol": 2e-2}
+    torch.testing.assert_close(ops.rms_norm(x, w, 1e-5), ref.rms_norm(x, w, 1e-5), **tol)
+    want_h, want_res = ref.add_rms_norm(x, res, w, 1e-5)
+    got_h, got_res = ops.add_rms_norm(x.clone(), res.clone(), w, 1e-5)
+    torch.testing.assert_close(got_res, want_res, **tol)
+    torch.testing.assert_close(got_h, want_h, **tol)
+    gate_up = torch.randn(7, 256, generator=g).to(device, torch.bfloat16)
+    torch.testing.assert_close(ops.silu_and_mul(gate_up), ref.silu_and_mul(gate_up), **tol)
+
+
+def test_fp32_and_cpu_without_flashinfer_keep_the_torch_ops(monkeypatch: pytest.MonkeyPatch) -> None:
+    flashinfer_reference.install(monkeypatch)
+    assert type(select_fused_ops(torch.device("cpu"), torch.float32)) is TorchOps
+    monkeypatch.setattr(flashinfer_reference, "PDSERVE_DEVICE_TYPES", ("cuda",))
+    assert type(select_fused_ops(torch.device("cpu"), torch.bfloat16)) is TorchOps
+
+
+def test_model_with_fused_ops_matches_torch_ops(monkeypatch: pytest.MonkeyPatch,
+                                                tmp_path_factory: pytest.TempPathFactory) -> None:
+    """The whole decoder in bf16 (prefill, then decode): every norm but the first and the
+    per-head ones is a fused_add_rmsnorm, every MLP a silu_and_mul; logits agree with torch's."""
+    flashinfer_reference.install(monkeypatch)
+    path = str(build_tiny_checkpoint(tmp_path_factory.mktemp("fused"), "qwen3", hidden_size=128, num_heads=2,
+                                     num_kv_heads=1, num_layers=3))
+    fused = PagedHarness(path, page_size=4, dtype="bfloat16", seed=1)
+    plain = PagedHarness(path, page_size=4, dtype="bfloat16", seed=1)
+    assert isinstance(fused.runner.model.ops, FlashInferOps)
+    plain.runner.model.ops = TorchOps()
+    rng = random.Random(0)
+    prompts = [[rng.randrange(3, 200) for _ in range(n)] for n in (5, 13)]
+    steps = [(ForwardMode.EXTEND, [(f"r{i}", p) for i, p in enumerate(prompts)])]
+    steps += [(ForwardMode.DECODE, [(f"r{i}", [rng.randrange(3, 200)]) for i in range(2)]) for _ in range(3)]
+    flashinfer_reference.CALLS.clear()
+    for mode, batch in steps:
+        want, got = plain.step_last(mode, batch), fused.step_last(mode, batch)
+        assert (got - want).abs().max().item() <= 0.03 * want.abs().max().item()
+    names = [name for name, _, _ in flashinfer_reference.CALLS]
+    # per step: layer 0's input norm (no residual yet), 2 fused_add_rmsnorm per layer after it
+    # (the last is the final norm), 1 silu_and_mul per layer; qwen3's per-head norms stay torch
+    per_step = (1, 2 * 3, 3)
+    counts = (names.count("rmsnorm"), names.count("fused_add_rmsnorm"), names.count("silu_and_mul"))
+    assert counts == tuple(n * len(steps) for n in per_step)
