@@ -15,10 +15,12 @@ from collections.abc import Callable
 from typing import Literal, Protocol
 
 from common.cache.kv_pool import KVPool
+from common.cluster_secret import ClusterSecret
 from common.scheduler.messages import FinishReason
 from common.scheduler.req import Req
 from common.server.server_args import ServerArgs
 from kv_transfer import AuxBuffer, FailureCause, KVManager, KVManagerArgs, TransferConfig
+from kv_transfer.ucx_env import pin_ucx_to_host
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +56,8 @@ def make_kv_manager(
     role: Literal["prefill", "decode"], args: ServerArgs, kv_pool: KVPool, aux_buffer: AuxBuffer,
     factory: TransferFactory = KVManager,
 ) -> KVManager:
+    if args.disaggregation_transfer_backend == "nixl":
+        pin_ucx_to_host(args.host)  # the engine process only: UCX listens where --host says, nowhere else
     return factory(
         KVManagerArgs(
             role=role,
@@ -65,6 +69,7 @@ def make_kv_manager(
             bootstrap_port=args.disaggregation_bootstrap_port if role == "prefill" else 0,
             config=transfer_config(args),
             backend=args.disaggregation_transfer_backend,
+            cluster_secret=ClusterSecret.load(args.cluster_secret_file),
         )
     )
 

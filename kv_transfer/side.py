@@ -14,6 +14,7 @@ from kv_transfer.base import FailureCause, StateCell, TransferConfig
 from kv_transfer.endpoint import TransferEndpoint
 from kv_transfer.messages import ControlMsg, WireLayout, decode, encode
 from kv_transfer.metrics import TransferMetrics
+from kv_transfer.security import BootstrapSecurity
 
 log = logging.getLogger("kv_transfer")
 
@@ -70,8 +71,10 @@ class Side:
         fail: Callable[[StateCell, FailureCause, str], bool],
         poller: zmq.Poller,
         ctx: zmq.Context,
+        security: BootstrapSecurity | None = None,
         sock: zmq.Socket | None = None,
     ) -> None:
+        self.security = security
         self.cfg = cfg
         self.endpoint = endpoint
         self.metrics = metrics

@@ -21,6 +21,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from common.cluster_secret import ClusterSecret
 from common.server.generate_request import GenerateRequestBody
 from common.server.generate_response import ErrorResponse, GenerateResponse
 from common.server.openapi import ApiRoute, mount_openapi, openapi_document
@@ -54,9 +55,11 @@ class Router:
         self.model = model or ModelInfo.load(cfg.model_path, cfg.served_model_name, cfg.context_length)
         self.registry = WorkerRegistry(cfg)
         self.metrics = RouterMetrics(self.registry)
-        self.dispatcher = Dispatcher(cfg, self.registry, self.metrics)
+        secret = ClusterSecret.load(cfg.cluster_secret_file)
+        worker_headers = {"Authorization": secret.bearer()} if secret is not None else {}
+        self.dispatcher = Dispatcher(cfg, self.registry, self.metrics, worker_headers)
         probe_ids = self.model.encode("ping")[:4]
-        self.health = HealthChecker(cfg, self.registry, self.metrics, probe_ids)
+        self.health = HealthChecker(cfg, self.registry, self.metrics, probe_ids, worker_headers)
         self.parser = RequestParser(self.model, cfg.default_max_tokens_cap, cfg.incremental_streaming_output)
         self.handler = GenerationHandler(self)
         self.created = int(time.time())

@@ -77,15 +77,18 @@ class RequestRun:
 
 
 class Dispatcher:
-    def __init__(self, cfg: RouterConfig, registry: WorkerRegistry, metrics: RouterMetrics) -> None:
+    def __init__(self, cfg: RouterConfig, registry: WorkerRegistry, metrics: RouterMetrics,
+                 worker_headers: dict[str, str] | None = None) -> None:
         self.cfg = cfg
+        self.worker_headers = worker_headers or {}
         self.registry = registry
         self.metrics = metrics
         self.client: HttpClient | None = None
         self.background: set[asyncio.Task[Any]] = set()
 
     def open(self) -> None:
-        self.client = HttpClient(max_per_origin=self.cfg.max_connections, connect_timeout=self.cfg.connect_timeout)
+        self.client = HttpClient(max_per_origin=self.cfg.max_connections, connect_timeout=self.cfg.connect_timeout,
+                                 default_headers=self.worker_headers)
 
     async def close(self) -> None:
         for t in list(self.background):

@@ -44,6 +44,9 @@ class ServerArgs:
     port: int = 30000
     request_timeout: float | None = None
     incremental_streaming_output: bool = False
+    # Control-plane security
+    cluster_secret_file: str | None = None
+    allow_unauthenticated: bool = False
     # Memory and scheduling
     page_size: int = SchedulerConfig.page_size
     chunked_prefill_size: int = SchedulerConfig.chunked_prefill_size
@@ -226,6 +229,9 @@ _HELP: dict[str, str] = {
     "base_gpu_id": "CUDA device index of this instance (cuda:N); pd.sh --gpus-per-host sets it per instance",
     "host": "HTTP bind address",
     "port": "HTTP port",
+    "cluster_secret_file": "file holding the cluster secret (default: $PDSERVE_CLUSTER_SECRET); every endpoint but "
+    "/health and /metrics then needs it, and so does the KV bootstrap channel (CURVE)",
+    "allow_unauthenticated": "serve a non-loopback --host without a cluster secret (refused otherwise)",
     "request_timeout": "seconds per request end to end at the frontend (default: off)",
     "page_size": "tokens per KV page",
     "chunked_prefill_size": "max prompt tokens per prefill chunk, page aligned (-1: off)",
