@@ -23,6 +23,8 @@ from zmq.auth.thread import ThreadAuthenticator
 
 from common.cluster_secret import ClusterSecret, CurveKeys
 
+RECV_HWM = 256  # messages ZMQ queues per peer before that peer's own sends back up (they never block: see send_nowait)
+
 
 class _ClusterClients:
     def __init__(self, client_public: bytes) -> None:
@@ -45,6 +47,7 @@ class BootstrapSecurity:
 
     def _limits(self, sock: zmq.Socket) -> None:
         sock.setsockopt(zmq.MAXMSGSIZE, self.max_msg_bytes)
+        sock.setsockopt(zmq.RCVHWM, RECV_HWM)
 
     def serve(self, sock: zmq.Socket) -> None:
         """Before bind: only the cluster's CURVE clients get through."""
