@@ -20,7 +20,6 @@ from common.scheduler.messages import FinishReason
 from common.scheduler.req import Req
 from common.server.server_args import ServerArgs
 from kv_transfer import AuxBuffer, FailureCause, KVManager, KVManagerArgs, TransferConfig
-from kv_transfer.ucx_env import pin_ucx_to_host
 
 logger = logging.getLogger(__name__)
 
@@ -56,8 +55,6 @@ def make_kv_manager(
     role: Literal["prefill", "decode"], args: ServerArgs, kv_pool: KVPool, aux_buffer: AuxBuffer,
     factory: TransferFactory = KVManager,
 ) -> KVManager:
-    if args.disaggregation_transfer_backend == "nixl":
-        pin_ucx_to_host(args.host)  # the engine process only: UCX listens where --host says, nowhere else
     return factory(
         KVManagerArgs(
             role=role,

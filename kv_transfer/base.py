@@ -129,7 +129,7 @@ class KVManagerArgs:
     k_buffers: list[torch.Tensor]
     v_buffers: list[torch.Tensor]
     aux_buffer: AuxBuffer
-    bootstrap_host: str = "127.0.0.1"
+    bootstrap_host: str = "127.0.0.1"  # the instance's --host: prefill's bootstrap port, and UCX's interface (both roles)
     bootstrap_port: int = 0  # prefill: 0 picks a free port (see KVManager.bootstrap_port)
     rank: int = 0
     config: TransferConfig = field(default_factory=TransferConfig)

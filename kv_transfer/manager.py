@@ -30,6 +30,7 @@ from kv_transfer.metrics import TransferMetrics
 from kv_transfer.prefill_side import PrefillSide
 from kv_transfer.security import BootstrapSecurity
 from kv_transfer.side import Side, layout_to_wire, log
+from kv_transfer.ucx_env import ucx_pinned_to
 
 
 class _Create:
@@ -54,7 +55,8 @@ class KVManager:
         self.metrics = TransferMetrics(args.role, args.registry)  # type: ignore[arg-type]
         kv = [*args.k_buffers, *args.v_buffers]
         make = args.endpoint_factory or (lambda *a: make_endpoint(args.backend, *a))
-        self.endpoint = make(args.role, kv, args.aux_buffer.tensor, self.faults)
+        with ucx_pinned_to(args.bootstrap_host):  # UCX listens on --host's interface only
+            self.endpoint = make(args.role, kv, args.aux_buffer.tensor, self.faults)
         self.agent_name = self.endpoint.name
         self._ctx = zmq.Context()
         self.security = BootstrapSecurity(self._ctx, args.cluster_secret, self.cfg.max_msg_bytes)

@@ -1,19 +1,21 @@
 """Pin UCX (the NIXL backend) to the network interface of the instance's --host.
 
 Without this UCX listens on every interface of the machine, whatever --host says.
-`pin_ucx_to_host("127.0.0.1")` sets UCX_NET_DEVICES=lo before the NIXL agent exists;
-an operator's own UCX_NET_DEVICES wins, and a wildcard host (0.0.0.0, ::) pins nothing.
-Call it only in a process that serves one instance (the engine): it sets the environment.
+`with ucx_pinned_to("127.0.0.1"): make the agent` sets UCX_NET_DEVICES=lo while the
+agent's UCX context starts; an operator's own UCX_NET_DEVICES wins, and a wildcard host
+(0.0.0.0, ::) pins nothing.
 """
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import ipaddress
 import logging
 import os
 import socket
 import struct
+from collections.abc import Iterator
 
 log = logging.getLogger("kv_transfer")
 SIOCGIFADDR = 0x8915
@@ -55,13 +57,23 @@ def interface_of(host: str) -> str | None:
     return next((name for _, name in socket.if_nameindex() if _ipv4_of(name) == str(addr)), None)
 
 
-def pin_ucx_to_host(host: str) -> str | None:
-    """Set UCX_NET_DEVICES to `host`'s interface unless already set; the value UCX will use."""
-    if os.environ.get("UCX_NET_DEVICES"):
-        return os.environ["UCX_NET_DEVICES"]
+@contextlib.contextmanager
+def ucx_pinned_to(host: str) -> Iterator[str | None]:
+    """While creating a NIXL agent: UCX_NET_DEVICES = `host`'s interface (UCX reads it when the
+    backend starts), restored afterwards so nothing else in the process inherits it. An
+    operator's own UCX_NET_DEVICES wins; a wildcard host pins nothing."""
+    preset = os.environ.get("UCX_NET_DEVICES")
+    if preset:
+        yield preset
+        return
     dev = interface_of(host)
     if dev is None:
-        log.warning("UCX not pinned: no interface holds %s (UCX may listen on every interface)", host)
-        return None
+        if host not in ("0.0.0.0", "::", ""):
+            log.warning("UCX not pinned: no interface holds %s (UCX may listen on every interface)", host)
+        yield None
+        return
     os.environ["UCX_NET_DEVICES"] = dev
-    return dev
+    try:
+        yield dev
+    finally:
+        os.environ.pop("UCX_NET_DEVICES", None)

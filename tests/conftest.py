@@ -37,6 +37,8 @@ PROC_PATHS = (
     "pd/test_pd_multiturn.py",
     "pd/test_pd_transfer_health.py",
     "router/",
+    "security/test_bootstrap_attacks.py",
+    "security/test_control_plane.py",
     "server/test_http_frontend.py",
     "server/test_instance_lifecycle.py",
     "server/test_liveness.py",

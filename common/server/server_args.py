@@ -76,6 +76,7 @@ class ServerArgs:
     disaggregation_heartbeat_timeout: float = TransferConfig.heartbeat_timeout_s
     disaggregation_handshake_timeout: float = TransferConfig.handshake_timeout_s
     disaggregation_drain_timeout: float = TransferConfig.drain_timeout_s
+    swap_space: float = 4.0
     disaggregation_fault_spec: str | None = None
     # Process lifecycle
     log_level: str = "info"
@@ -133,6 +134,8 @@ class ServerArgs:
             return f"--graceful-shutdown-timeout must be >= 0, got {self.graceful_shutdown_timeout}"
         if self.disaggregation_local_prefill_max_tokens < 0:
             return f"--disaggregation-local-prefill-max-tokens must be >= 0, got {self.disaggregation_local_prefill_max_tokens}"
+        if self.swap_space < 0:
+            return f"--swap-space must be >= 0, got {self.swap_space}"
         if self.num_reserved_decode_tokens < 0:
             return f"--num-reserved-decode-tokens must be >= 0, got {self.num_reserved_decode_tokens}"
         if self.chunked_prefill_size != -1 and (
@@ -263,6 +266,8 @@ _HELP: dict[str, str] = {
     "disaggregation_heartbeat_timeout": "seconds without a heartbeat answer before a peer is dead",
     "disaggregation_handshake_timeout": "decode: seconds a prefill may take to answer the first handshake",
     "disaggregation_drain_timeout": "decode: seconds an aborted transfer's pages stay held waiting for prefill's drain ack",
+    "swap_space": "decode: GiB of host memory for retracted requests' KV copies (vLLM's name); a retraction "
+    "past it finishes that request with a 503 error",
     "disaggregation_fault_spec": "test-only fault injection spec",
     "log_level": "logging level of both processes",
     "watchdog_timeout": "seconds one engine step may run before the engine counts as hung: /health turns 503 and the instance exits",
