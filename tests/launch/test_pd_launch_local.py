@@ -80,7 +80,7 @@ def test_pd_sh_serves_openai_and_sigterm_stops_everything(
     assert secret_file.stat().st_mode & 0o777 == 0o600
     secret = secret_file.read_text()
     assert len(secret) == 64
-    ps = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True, timeout=30).stdout
+    ps = subprocess.run(["ps", "-eww", "-o", "args"], capture_output=True, text=True, timeout=30).stdout
     assert secret not in ps and str(secret_file) in ps
     for port in (ports["--prefill-port"], ports["--decode-port"]):
         r = httpx.post(f"http://127.0.0.1:{port}/generate", json={"input_ids": [1, 2]}, timeout=10)
