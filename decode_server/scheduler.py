@@ -232,7 +232,7 @@ class DecodeScheduler(Scheduler):
             self.kv.free_deferred()  # the worker is quiet: the caching release happens now
             return
         assert req.num_pending == 0 and self.in_flight is None, "retract needs a quiet worker"
-        nbytes = 2 * self.kv_pool.num_layers * len(req.kv_slots) * (self.kv_pool.layout.page_bytes // self.kv.page_size)
+        nbytes = self.kv_pool.host_copy_bytes(len(req.kv_slots))
         if self.swap_space_bytes is not None and self.host_kv_bytes + nbytes > self.swap_space_bytes:
             self.num_swap_space_refusals += 1
             held = self.host_kv_bytes / 2**30
