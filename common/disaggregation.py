@@ -15,6 +15,7 @@ from collections.abc import Callable
 from typing import Literal, Protocol
 
 from common.cache.kv_pool import KVPool
+from common.cluster_secret import ClusterSecret
 from common.scheduler.messages import FinishReason
 from common.scheduler.req import Req
 from common.server.server_args import ServerArgs
@@ -65,6 +66,7 @@ def make_kv_manager(
             bootstrap_port=args.disaggregation_bootstrap_port if role == "prefill" else 0,
             config=transfer_config(args),
             backend=args.disaggregation_transfer_backend,
+            cluster_secret=ClusterSecret.load(args.cluster_secret_file),
         )
     )
 

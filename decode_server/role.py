@@ -25,6 +25,7 @@ def decode_role(args: ServerArgs, transfer_factory: TransferFactory = KVManager)
             transfer=manager, aux_slots=AuxSlotAllocator(num_slots), kv_pool=parts.kv_pool,
             num_reserved_decode_tokens=args.num_reserved_decode_tokens,
             local_prefill_max_tokens=args.disaggregation_local_prefill_max_tokens,
+            swap_space_bytes=int(args.swap_space * 2**30),
         )
         return RoleEngine(scheduler, TransferLink(manager, scheduler.poll_transfers))
 

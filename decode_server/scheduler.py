@@ -48,7 +48,7 @@ class DecodeScheduler(Scheduler):
     def __init__(
         self, cfg: SchedulerConfig, executor: Executor, kv: ReqKVManager, *, future_capacity: int, output: OutputSink,
         transfer: KVManager, aux_slots: AuxSlotAllocator, kv_pool: KVPool, num_reserved_decode_tokens: int,
-        local_prefill_max_tokens: int = 0,
+        local_prefill_max_tokens: int = 0, swap_space_bytes: int | None = None,
     ) -> None:
         super().__init__(cfg, executor, kv, future_capacity=future_capacity, output=output)
         assert kv.defer_frees, "decode frees pages only after the step in flight (see kv_manager.py)"
@@ -68,6 +68,9 @@ class DecodeScheduler(Scheduler):
         self.num_local_prefill = 0  # requests without bootstrap info, prefilled here
         self.num_local_prefill_tokens = 0
         self.num_local_prefill_cache_misses = 0
+        self.swap_space_bytes = swap_space_bytes  # None: unbounded
+        self.host_kv_bytes = 0  # held by retracted requests' host copies
+        self.num_swap_space_refusals = 0
 
     @property
     def has_work(self) -> bool:
@@ -229,8 +232,19 @@ class DecodeScheduler(Scheduler):
             self.kv.free_deferred()  # the worker is quiet: the caching release happens now
             return
         assert req.num_pending == 0 and self.in_flight is None, "retract needs a quiet worker"
+        nbytes = self.kv_pool.host_copy_bytes(len(req.kv_slots))
+        if self.swap_space_bytes is not None and self.host_kv_bytes + nbytes > self.swap_space_bytes:
+            self.num_swap_space_refusals += 1
+            held = self.host_kv_bytes / 2**30
+            self._finish(req, FinishReason(
+                "abort", status_code=503, err_type="out_of_memory",
+                message=f"decode ran out of KV memory and its host swap space is full: this request's KV "
+                        f"({nbytes / 2**20:.1f} MiB) does not fit in --swap-space "
+                        f"{self.swap_space_bytes / 2**30:g} GiB ({held:.2f} GiB held)"))
+            return
         slots = torch.tensor(req.kv_slots, dtype=torch.int64, device=self.kv_pool.device)
         self.transfers[req].host_kv = self.kv_pool.copy_slots_to_host(slots)
+        self.host_kv_bytes += nbytes
         self.kv.release(req, keep_in_cache=False)
         self.running.remove(req)
         req.state = ReqState.RETRACTED
@@ -258,18 +272,23 @@ class DecodeScheduler(Scheduler):
                 return
             index = torch.tensor(slots, dtype=torch.int64, device=self.kv_pool.device)
             self.kv_pool.restore_slots_from_host(index, k, v)
-            self.transfers[req].host_kv = None
+            self._drop_host_kv(self.transfers[req])
             self.retracted.pop(0)
             req.needs_sampler_reset = True
             req.state = ReqState.RUNNING
             self.running.append(req)
+
+    def _drop_host_kv(self, transfer: DecodeTransfer) -> None:
+        if transfer.host_kv is not None:
+            self.host_kv_bytes -= sum(t.numel() * t.element_size() for t in transfer.host_kv)
+            transfer.host_kv = None
 
     # ---- endings ----------------------------------------------------------------------------
     def on_finish(self, req: Req) -> PageFate:
         transfer = self.transfers.get(req)
         receiver = transfer.receiver if transfer is not None else None
         if transfer is not None:
-            transfer.host_kv = None
+            self._drop_host_kv(transfer)
         if req in self.prealloc:
             self.prealloc.remove(req)
         if req in self.retracted:
@@ -295,6 +314,8 @@ class DecodeScheduler(Scheduler):
                 "num_transfer_queue_reqs": float(len(self.transferring)),
                 "num_draining_reqs": float(len(self.draining)),
                 "num_retracted_reqs": float(len(self.retracted)),
+                "host_kv_bytes": float(self.host_kv_bytes),
+                "num_swap_space_refusals_total": float(self.num_swap_space_refusals),
                 "num_transfer_failures_total": float(self.num_transfer_failures),
                 "num_prebuilt_total": float(self.num_prebuilt),
                 "kv_pages_from_cache_total": float(self.num_pages_from_cache),

@@ -20,6 +20,7 @@ if TYPE_CHECKING:
     import torch
 
     from common.cache.kv_pool import KVLayout
+    from common.cluster_secret import ClusterSecret
     from kv_transfer.aux_buffer import AuxBuffer
     from kv_transfer.endpoint import EndpointFactory
 
@@ -82,6 +83,12 @@ class TransferConfig:
     - stall_report_s = 10: KVManager.health() reports the thread stuck when one iteration
       of its loop (normally <= idle_poll_s) takes longer than this.
     - send_hwm = 10000: ZMQ high-water mark; sends past it are dropped, never blocked.
+    - Bounds on what peers can make prefill hold (every message on the bootstrap port):
+      max_msg_bytes = 8 MiB (ZMQ MAXMSGSIZE: a larger message drops its connection),
+      max_peers = 256 registered decodes, max_early_requests = 1024 TransferRequests
+      waiting for their sender (and per decode no more pages than its pool declared),
+      max_tombstones = 4096 remembered failed rooms (oldest forgotten first),
+      max_reason_chars = 256 of an Abort's reason.
     - faults = "": fault-injection spec (see kv_transfer.faults.FaultSpec), tests only.
     """
 
@@ -97,6 +104,11 @@ class TransferConfig:
     shutdown_timeout_s: float = 5.0
     stall_report_s: float = 10.0
     send_hwm: int = 10000
+    max_msg_bytes: int = 8 << 20
+    max_peers: int = 256
+    max_early_requests: int = 1024
+    max_tombstones: int = 4096
+    max_reason_chars: int = 256
     faults: str = ""
 
     def __post_init__(self) -> None:
@@ -117,13 +129,14 @@ class KVManagerArgs:
     k_buffers: list[torch.Tensor]
     v_buffers: list[torch.Tensor]
     aux_buffer: AuxBuffer
-    bootstrap_host: str = "127.0.0.1"
+    bootstrap_host: str = "127.0.0.1"  # the instance's --host: prefill's bootstrap port, and UCX's interface (both roles)
     bootstrap_port: int = 0  # prefill: 0 picks a free port (see KVManager.bootstrap_port)
     rank: int = 0
     config: TransferConfig = field(default_factory=TransferConfig)
     registry: object | None = None  # prometheus_client.CollectorRegistry; None = a private one
     backend: str = "nixl"  # one of kv_transfer.endpoint.TRANSFER_BACKENDS
     endpoint_factory: EndpointFactory | None = None  # overrides `backend` (tests, out-of-tree backends)
+    cluster_secret: ClusterSecret | None = None  # bootstrap channel over CURVE (kv_transfer.security); None: plain
 
 
 class StateCell:

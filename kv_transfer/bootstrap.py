@@ -10,14 +10,19 @@ from __future__ import annotations
 
 import zmq
 
+from common.cluster_secret import ClusterSecret
+from kv_transfer.base import TransferConfig
 from kv_transfer.messages import InfoQuery, PrefillInfo, RegisterAck, decode, encode
+from kv_transfer.security import BootstrapSecurity
 
 
-def query_bootstrap(host: str, port: int, timeout_s: float = 2.0) -> PrefillInfo:
-    """PrefillInfo of the prefill at host:port; TimeoutError when it does not answer in time."""
+def query_bootstrap(host: str, port: int, timeout_s: float = 2.0, secret: ClusterSecret | None = None) -> PrefillInfo:
+    """PrefillInfo of the prefill at host:port; TimeoutError when it does not answer in time
+    (also when the prefill requires the cluster secret and `secret` is not it)."""
     ctx: zmq.Context = zmq.Context.instance()
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
+    BootstrapSecurity(ctx, secret, TransferConfig.max_msg_bytes).connect(sock)
     try:
         sock.connect(f"tcp://{host}:{port}")
         sock.send(encode(InfoQuery()), flags=zmq.NOBLOCK)

@@ -76,6 +76,8 @@ class DecodeSide(Side):
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.SNDHWM, self.cfg.send_hwm)
             sock.setsockopt(zmq.ROUTING_ID, f"{self.endpoint.name}#{next(self._ids)}".encode())
+            if self.security is not None:
+                self.security.connect(sock)
             sock.connect(f"tcp://{key[0]}:{key[1]}")
             self.poller.register(sock, zmq.POLLIN)
             peer = _PrefillPeer(key, sock, now, now)

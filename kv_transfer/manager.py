@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import os
 import queue
+import secrets
 import threading
 import time
 from collections.abc import Callable
@@ -27,7 +28,9 @@ from kv_transfer.handles import KVReceiver, KVSender
 from kv_transfer.messages import PROTOCOL_VERSION, PrefillInfo, Register
 from kv_transfer.metrics import TransferMetrics
 from kv_transfer.prefill_side import PrefillSide
+from kv_transfer.security import BootstrapSecurity
 from kv_transfer.side import Side, layout_to_wire, log
+from kv_transfer.ucx_env import ucx_pinned_to
 
 
 class _Create:
@@ -52,9 +55,11 @@ class KVManager:
         self.metrics = TransferMetrics(args.role, args.registry)  # type: ignore[arg-type]
         kv = [*args.k_buffers, *args.v_buffers]
         make = args.endpoint_factory or (lambda *a: make_endpoint(args.backend, *a))
-        self.endpoint = make(args.role, kv, args.aux_buffer.tensor, self.faults)
+        with ucx_pinned_to(args.bootstrap_host):  # UCX listens on --host's interface only
+            self.endpoint = make(args.role, kv, args.aux_buffer.tensor, self.faults)
         self.agent_name = self.endpoint.name
         self._ctx = zmq.Context()
+        self.security = BootstrapSecurity(self._ctx, args.cluster_secret, self.cfg.max_msg_bytes)
         self._poller = zmq.Poller()
         self._cmds: queue.SimpleQueue[object] = queue.SimpleQueue()
         self._wake_r, self._wake_w = os.pipe()
@@ -66,7 +71,8 @@ class KVManager:
         self._accepting = True  # False once the thread is leaving: new handles fail at once
         self._accept_lock = threading.Lock()
         common: dict[str, Any] = dict(
-            cfg=self.cfg, endpoint=self.endpoint, metrics=self.metrics, fail=self._fail, poller=self._poller, ctx=self._ctx
+            cfg=self.cfg, endpoint=self.endpoint, metrics=self.metrics, fail=self._fail, poller=self._poller, ctx=self._ctx,
+            security=self.security,
         )
         self.side: Side
         if args.role == "prefill":
@@ -74,6 +80,7 @@ class KVManager:
             router.setsockopt(zmq.LINGER, 0)
             router.setsockopt(zmq.SNDHWM, self.cfg.send_hwm)
             router.setsockopt(zmq.ROUTER_HANDOVER, 1)
+            self.security.serve(router)
             host = args.bootstrap_host
             if args.bootstrap_port == 0:
                 self.bootstrap_port = router.bind_to_random_port(f"tcp://{host}")
@@ -102,6 +109,7 @@ class KVManager:
                 args.aux_buffer.tensor.data_ptr(),
                 args.aux_buffer.row_bytes,
                 args.aux_buffer.num_slots,
+                secrets.token_bytes(16),
             )
             self.side = DecodeSide(layout=layout, aux=args.aux_buffer, register=reg, **common)
         else:
@@ -109,7 +117,8 @@ class KVManager:
         self._loop_at = time.monotonic()
         self._thread = threading.Thread(target=self._run, name=f"kv-transfer-{args.role}", daemon=True)
         self._thread.start()
-        log.info("%s KVManager %s up (bootstrap port %d)", args.role, self.agent_name, self.bootstrap_port)
+        log.info("%s KVManager %s up (bootstrap port %d, %s)", args.role, self.agent_name, self.bootstrap_port,
+                 "CURVE with the cluster secret" if self.security.authenticated else "unauthenticated")
 
     # ---- scheduler-facing API (never blocks) ---------------------------------------------
     def create_sender(self, rid: str, room: int) -> KVSender:
@@ -167,6 +176,7 @@ class KVManager:
             log.error("kv_transfer thread did not stop within %.1fs", self.cfg.shutdown_timeout_s)
             return
         self.endpoint.close()
+        self.security.close()
         self._ctx.term()
         for fd in (self._wake_r, self._wake_w):
             with contextlib.suppress(OSError):

@@ -1,6 +1,7 @@
 """Control messages between a decode KVManager and a prefill KVManager (ZMQ, msgpack).
 
     decode DEALER (one per prefill peer)            prefill ROUTER (bootstrap_port)
+      (with a cluster secret the socket pair is CURVE: nothing flows before both proved it)
       Register{agent md, buffer bases, layout} --->  add_remote_agent, check layout
                  <--- RegisterAck{PrefillInfo} | RegisterRefused{reason}
       TransferRequest{room, dst pages, aux slot} ->  sender becomes WaitingForInput
@@ -19,7 +20,7 @@ from __future__ import annotations
 
 import msgspec
 
-PROTOCOL_VERSION = 2  # 2: TransferRequest.skip_pages (decode's prefix cache)
+PROTOCOL_VERSION = 3  # 2: TransferRequest.skip_pages (decode's prefix cache); 3: Register.instance_token
 
 
 class WireLayout(msgspec.Struct, frozen=True, array_like=True):
@@ -55,6 +56,7 @@ class Register(msgspec.Struct, frozen=True, array_like=True, tag="reg"):
     aux_base: int
     aux_row_bytes: int
     aux_slots: int
+    instance_token: bytes  # random per decode manager: only its holder may replace this agent's registration
 
 
 class RegisterAck(msgspec.Struct, frozen=True, array_like=True, tag="ack"):

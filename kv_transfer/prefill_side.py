@@ -12,6 +12,7 @@ Runs only in the KVManager's background thread. Per room:
 from __future__ import annotations
 
 import dataclasses
+import hmac
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -47,6 +48,24 @@ class _DecodePeer:
     reg: Register
     nixl_name: str
     last_seen: float
+
+
+@dataclass
+class _EarlyRequest:
+    """A TransferRequest that came before its sender: page ids kept compact (int32)."""
+
+    identity: bytes
+    dst_pages: np.ndarray
+    aux_slot: int
+    skip_pages: int
+    at: float
+
+
+@dataclass
+class _Tombstone:
+    cause: FailureCause
+    reason: str
+    at: float
 
 
 @dataclass
@@ -99,8 +118,8 @@ class PrefillSide(Side):
         self.info = info
         self.faults = faults
         self.rooms: dict[int, _Room] = {}
-        self.early: dict[int, tuple[TransferRequest, bytes, float]] = {}
-        self.tombstones: dict[int, tuple[FailureCause, str, float]] = {}
+        self.early: dict[int, _EarlyRequest] = {}
+        self.tombstones: dict[int, _Tombstone] = {}
         self.peers: dict[bytes, _DecodePeer] = {}
 
     # ---- scheduler commands -------------------------------------------------------------
@@ -110,14 +129,13 @@ class PrefillSide(Side):
             self.fail(sender.cell, FailureCause.DUPLICATE_ROOM, f"room {sender.room} already has a live sender")
             return
         if sender.room in self.tombstones:
-            cause, reason, _ = self.tombstones.pop(sender.room)
-            self.fail(sender.cell, cause, reason)
+            stone = self.tombstones.pop(sender.room)
+            self.fail(sender.cell, stone.cause, stone.reason)
             return
         room = _Room(sender, now)
         self.rooms[sender.room] = room
         if sender.room in self.early:
-            req, identity, _ = self.early.pop(sender.room)
-            self._attach(room, req, identity)
+            self._attach(room, self.early.pop(sender.room))
 
     def command(self, cmd: object) -> None:
         if isinstance(cmd, SendCmd):
@@ -160,8 +178,8 @@ class PrefillSide(Side):
         if reason is None:
             reason = memory_type_mismatch(self.endpoint.kv_mem_type, msg.kv_mem_type)
         if reason is None:
-            for old in [p for p in self.peers.values() if p.reg.agent_name == msg.agent_name]:
-                self._drop_peer(old, FailureCause.PEER_LOST, "decode re-registered")
+            reason = self._admit(identity, msg)
+        if reason is None:
             try:
                 name = self.endpoint.add_peer(msg.agent_metadata)
             except EndpointError as e:
@@ -173,13 +191,34 @@ class PrefillSide(Side):
         self.log.warning("refused decode %s: %s", msg.agent_name, reason)
         self.reply(identity, RegisterRefused(f"prefill refused registration: {reason}", cause.value))
 
+    def _admit(self, identity: bytes, msg: Register) -> str | None:
+        """Why this Register may not (re)place a registration, or None after making room for it.
+
+        A peer is keyed by its connection; a Register naming an agent already registered on
+        another connection replaces it only with that registration's instance token (the same
+        decode after a reconnect), never on the name alone."""
+        for old in [p for p in self.peers.values() if p.reg.agent_name == msg.agent_name and p.identity != identity]:
+            if not hmac.compare_digest(old.reg.instance_token, msg.instance_token):
+                return f"agent {msg.agent_name} is already registered by another decode"
+            self._drop_peer(old, FailureCause.PEER_LOST, "decode re-registered")
+        old_self = self.peers.get(identity)
+        if old_self is not None:
+            self._drop_peer(old_self, FailureCause.PEER_LOST, "decode re-registered")
+        if len(self.peers) >= self.cfg.max_peers:
+            return f"too many decode peers ({self.cfg.max_peers})"
+        return None
+
+    def _early_pages(self, identity: bytes) -> int:
+        return sum(e.dst_pages.size for e in self.early.values() if e.identity == identity)
+
     def _on_transfer_request(self, identity: bytes, msg: TransferRequest, now: float) -> None:
         peer = self.peers.get(identity)
         if peer is None:
             self.reply(identity, Status(msg.room, False, "decode not registered here", "handshake", reregister=True))
             return
         bad = None
-        if not msg.dst_pages or min(msg.dst_pages) < 0 or max(msg.dst_pages) >= peer.reg.layout.num_pages:
+        num_pages = peer.reg.layout.num_pages
+        if not msg.dst_pages or len(msg.dst_pages) > num_pages or min(msg.dst_pages) < 0 or max(msg.dst_pages) >= num_pages:
             bad = "dst page ids out of the decode pool's range"
         elif not 0 <= msg.aux_slot < peer.reg.aux_slots:
             bad = f"dst aux slot {msg.aux_slot} out of range"
@@ -189,39 +228,59 @@ class PrefillSide(Side):
             self.reply(identity, Status(msg.room, False, bad, FailureCause.BAD_REQUEST.value))
             return
         if msg.room in self.tombstones:
-            cause, reason, _ = self.tombstones[msg.room]
-            self.reply(identity, Status(msg.room, False, reason, cause.value))
+            stone = self.tombstones[msg.room]
+            self.reply(identity, Status(msg.room, False, stone.reason, stone.cause.value))
             return
         room = self.rooms.get(msg.room)
         if (room is not None and room.peer is not None) or (room is None and msg.room in self.early):
             why = f"duplicate room {msg.room}: another decode already claimed it"
             self.reply(identity, Status(msg.room, False, why, FailureCause.DUPLICATE_ROOM.value))
             return
-        if room is None:
-            self.early[msg.room] = (msg, identity, now)
-        else:
-            self._attach(room, msg, identity)
+        early = _EarlyRequest(identity, np.asarray(msg.dst_pages, dtype=np.int32), msg.aux_slot, msg.skip_pages, now)
+        if room is not None:
+            self._attach(room, early)
+            return
+        full = None
+        if len(self.early) >= self.cfg.max_early_requests:
+            full = f"prefill holds {self.cfg.max_early_requests} transfer requests for unknown rooms"
+        elif self._early_pages(identity) + early.dst_pages.size > num_pages:
+            full = "transfer requests for unknown rooms name more pages than the decode pool has"
+        if full is not None:
+            self.reply(identity, Status(msg.room, False, full, FailureCause.BAD_REQUEST.value))
+            return
+        self.early[msg.room] = early
+
+    def _bury(self, room: int, cause: FailureCause, reason: str, now: float) -> None:
+        while len(self.tombstones) >= self.cfg.max_tombstones:
+            del self.tombstones[next(iter(self.tombstones))]  # oldest first
+        self.tombstones[room] = _Tombstone(cause, reason, now)
 
     def _on_abort(self, identity: bytes, msg: Abort, now: float) -> None:
+        if identity not in self.peers:
+            self.reply(identity, Status(msg.room, False, "decode not registered here", "handshake", reregister=True))
+            return
+        msg = Abort(msg.room, msg.reason[: self.cfg.max_reason_chars])
         room = self.rooms.get(msg.room)
         if room is not None and (room.peer is None or room.peer.identity == identity):
             self._room_failed(room, FailureCause.ABORTED, f"aborted by decode: {msg.reason}")
             if room.peer is None:
                 self.reply(identity, Status(msg.room, False, "aborted by decode", FailureCause.ABORTED.value))
             return
-        self.early.pop(msg.room, None)
+        early = self.early.get(msg.room)
+        if early is not None and early.identity == identity:
+            del self.early[msg.room]
         if room is None:
-            self.tombstones[msg.room] = (FailureCause.ABORTED, f"aborted by decode: {msg.reason}", now)
+            self._bury(msg.room, FailureCause.ABORTED, f"aborted by decode: {msg.reason}", now)
         self.reply(identity, Status(msg.room, False, "aborted by decode", FailureCause.ABORTED.value))
 
-    def _attach(self, room: _Room, req: TransferRequest, identity: bytes) -> None:
-        room.peer = self.peers.get(identity)
+    def _attach(self, room: _Room, req: _EarlyRequest) -> None:
+        room.peer = self.peers.get(req.identity)
         if room.peer is None:
             self._room_failed(room, FailureCause.PEER_LOST, "decode peer vanished before the transfer")
             return
-        room.dst_pages = np.asarray(req.dst_pages, dtype=np.int64)
+        room.dst_pages = req.dst_pages.astype(np.int64)
         room.dst_aux = req.aux_slot
-        room.sender.num_dst_pages = len(req.dst_pages)
+        room.sender.num_dst_pages = int(req.dst_pages.size)
         room.sender.skip_pages = req.skip_pages
         room.sender.cell.advance(KVPoll.WaitingForInput)
 
@@ -307,14 +366,16 @@ class PrefillSide(Side):
         for room in list(self.rooms.values()):
             self._progress(room, now)
         cfg = self.cfg
-        for rid, (req, identity, t0) in list(self.early.items()):
-            if now - t0 > cfg.bootstrap_timeout_s:
+        for rid, early in list(self.early.items()):
+            if now - early.at > cfg.bootstrap_timeout_s:
                 del self.early[rid]
                 why = "prefill never received this request"
-                self.reply(identity, Status(req.room, False, why, FailureCause.BOOTSTRAP_TIMEOUT.value))
-        for rid, (_, _, t0) in list(self.tombstones.items()):
-            if now - t0 > cfg.bootstrap_timeout_s:
-                del self.tombstones[rid]
+                self.reply(early.identity, Status(rid, False, why, FailureCause.BOOTSTRAP_TIMEOUT.value))
+        while self.tombstones:  # buried in time order
+            rid = next(iter(self.tombstones))
+            if now - self.tombstones[rid].at <= cfg.bootstrap_timeout_s:
+                break
+            del self.tombstones[rid]
         return any(r.outstanding or r.pending for r in self.rooms.values())
 
     def _progress(self, room: _Room, now: float) -> None:
@@ -359,7 +420,7 @@ class PrefillSide(Side):
         else:
             status = Status(room.sender.room, False, cell.reason or "failed", (cell.cause or FailureCause.ABORTED).value)
             if room.peer is None:
-                self.tombstones[room.sender.room] = (cell.cause or FailureCause.ABORTED, cell.reason or "failed", time.monotonic())
+                self._bury(room.sender.room, cell.cause or FailureCause.ABORTED, cell.reason or "failed", time.monotonic())
         if room.peer is not None:
             if not (ok and self.faults.drop_status()):
                 self.reply(room.peer.identity, status)

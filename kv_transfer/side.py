@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import msgspec
@@ -14,8 +14,10 @@ from kv_transfer.base import FailureCause, StateCell, TransferConfig
 from kv_transfer.endpoint import TransferEndpoint
 from kv_transfer.messages import ControlMsg, WireLayout, decode, encode
 from kv_transfer.metrics import TransferMetrics
+from kv_transfer.security import BootstrapSecurity
 
 log = logging.getLogger("kv_transfer")
+RECV_BATCH = 1000  # messages per readable socket per loop iteration: timers and other peers get a turn
 
 
 def layout_to_wire(layout: KVLayout) -> WireLayout:
@@ -46,18 +48,21 @@ def send_nowait(sock: zmq.Socket, frames: list[bytes]) -> bool:
         return False
 
 
-def recv_all(sock: zmq.Socket) -> list[tuple[bytes, ControlMsg]]:
-    """Every message waiting on `sock` as (routing id or b"", message); malformed ones are logged."""
-    out: list[tuple[bytes, ControlMsg]] = []
-    while True:
+def recv_all(sock: zmq.Socket, limit: int = RECV_BATCH) -> Iterator[tuple[bytes, ControlMsg]]:
+    """The messages waiting on `sock` (at most `limit`), one at a time as (routing id or b"",
+    message): each is handled before the next is decoded, so a flood never sits decoded in
+    memory at once. Malformed ones are logged and skipped."""
+    for _ in range(limit):
         try:
             frames = sock.recv_multipart(flags=zmq.NOBLOCK)
         except zmq.Again:
-            return out
+            return
         try:
-            out.append((frames[0] if len(frames) > 1 else b"", decode(frames[-1])))
+            msg = decode(frames[-1])
         except msgspec.DecodeError as e:
             log.warning("dropped a malformed control message: %s", e)
+            continue
+        yield frames[0] if len(frames) > 1 else b"", msg
 
 
 class Side:
@@ -70,8 +75,10 @@ class Side:
         fail: Callable[[StateCell, FailureCause, str], bool],
         poller: zmq.Poller,
         ctx: zmq.Context,
+        security: BootstrapSecurity | None = None,
         sock: zmq.Socket | None = None,
     ) -> None:
+        self.security = security
         self.cfg = cfg
         self.endpoint = endpoint
         self.metrics = metrics

@@ -34,7 +34,12 @@ Model and instances:
   --decode-args "..."     extra flags for decode instances only
   --router-args "..."     extra flags for the router (see python -m router --help)
   --env K=V               set K=V in every role's environment (repeatable). UCX_*, NIXL_* and
-                          PDSERVE_* variables set when pd.sh runs are passed on as well.
+                          PDSERVE_* variables set when pd.sh runs are passed on as well
+                          (PDSERVE_CLUSTER_SECRET excepted: it goes through the secret file)
+  --cluster-secret-file F the cluster secret every role proves (router -> worker HTTP, KV
+                          bootstrap). Default: $PDSERVE_CLUSTER_SECRET if set, else 32 random
+                          bytes per launch. Written 0600 to <log dir>/cluster_secret on every
+                          host (over the exec prefix's stdin, never on a command line)
 
 Single host:
   --host H                bind address of every role (default 127.0.0.1)
@@ -72,7 +77,7 @@ EOF
 
 die() { echo "pd.sh: $*" >&2; exit 2; }
 
-MODEL_PATH="" DTYPE="" PAGE_SIZE="" GPUS_PER_HOST=0 HOSTS_FILE="" LOG_DIR="" PY="" REPO_REMOTE="" DRY_RUN=0
+SECRET_SRC="" MODEL_PATH="" DTYPE="" PAGE_SIZE="" GPUS_PER_HOST=0 HOSTS_FILE="" LOG_DIR="" PY="" REPO_REMOTE="" DRY_RUN=0
 HOST=127.0.0.1 ROUTER_PORT=30000 NUM_PREFILL=1 NUM_DECODE=1 NUM_COLOCATED=0
 PREFILL_PORT=30100 DECODE_PORT=30200 BOOTSTRAP_PORT=8998
 START_TIMEOUT=600 STOP_TIMEOUT=20 CMD_TIMEOUT=60
@@ -94,6 +99,7 @@ while (($#)); do
         --decode-args) read -r -a DECODE_ARGS <<< "$v" ;;
         --router-args) read -r -a ROUTER_ARGS <<< "$v" ;;
         --env) ROLE_ENV+=("$v") ;;
+        --cluster-secret-file) SECRET_SRC=$v ;;
         --host) HOST=$v ;;
         --port) ROUTER_PORT=$v ;;
         --num-prefill) NUM_PREFILL=$v ;;
@@ -128,8 +134,11 @@ if [[ -z $PY ]]; then
 fi
 LOG_DIR=${LOG_DIR:-logs/pd-$(date +%Y%m%d-%H%M%S)-$$}
 [[ $LOG_DIR == /* ]] || LOG_DIR=$PWD/$LOG_DIR
+SECRET_FILE=$LOG_DIR/cluster_secret
+for kv in "${ROLE_ENV[@]}"; do [[ $kv != PDSERVE_CLUSTER_SECRET=* ]] || die "pass the secret with --cluster-secret-file, not --env"; done
 for v in $(compgen -e); do
     [[ $v == UCX_* || $v == NIXL_* || $v == PDSERVE_* ]] && [[ $v != PDSERVE_EXEC_PREFIX_TEMPLATE ]] \
+        && [[ $v != PDSERVE_CLUSTER_SECRET ]] \
         && ROLE_ENV=("$v=${!v}" "${ROLE_ENV[@]}")
 done
 
@@ -273,6 +282,24 @@ wait_healthy() {
 
 mkdir -p "$LOG_DIR" && : > "$LOG_DIR/pids" || die "cannot write the log dir $LOG_DIR"
 echo "pd.sh: pd.sh pid $$, logs in $LOG_DIR" >&2
+if [[ -n $SECRET_SRC ]]; then
+    SECRET=$(<"$SECRET_SRC") || die "cannot read --cluster-secret-file $SECRET_SRC"
+elif [[ -n ${PDSERVE_CLUSTER_SECRET:-} ]]; then
+    SECRET=$PDSERVE_CLUSTER_SECRET
+else
+    SECRET=$(od -An -tx1 -N32 /dev/urandom | tr -d ' \n')
+fi
+((${#SECRET} >= 16)) || die "the cluster secret must be at least 16 characters"
+(umask 077 && printf '%s' "$SECRET" > "$SECRET_FILE") || die "cannot write $SECRET_FILE"
+declare -A secret_on=()
+for i in "${!ROLE_KIND[@]}"; do  # printf is a builtin and the script travels on stdin: never in ps
+    h=${ROLE_HOST[$i]}
+    [[ ${ROLE_REMOTE[$i]} == 1 && -z ${secret_on[$h]:-} ]] || continue
+    secret_on[$h]=1
+    on_host "$i" "umask 077 && mkdir -p $(q "$LOG_DIR") && printf '%s' $(q "$SECRET") > $(q "$SECRET_FILE")" >/dev/null \
+        || die "could not write the cluster secret on $h"
+done
+unset SECRET
 if [[ -z $MODEL_PATH ]]; then
     declare -A seen=()
     for i in "${!ROLE_KIND[@]}"; do

@@ -32,7 +32,7 @@ role_words() {
                 colocated) argv+=(--worker "http://${ROLE_HOST[$j]}:${ROLE_PORT[$j]}") ;;
             esac
         done
-        argv+=("${ROUTER_ARGS[@]}")
+        argv+=("${ROUTER_ARGS[@]}" --cluster-secret-file "$SECRET_FILE")
     else
         local module=${kind}_server
         [[ $kind == colocated ]] && module=common.server
@@ -46,6 +46,7 @@ role_words() {
             prefill) argv+=("${PREFILL_ARGS[@]}") ;;
             decode) argv+=("${DECODE_ARGS[@]}") ;;
         esac
+        argv+=(--cluster-secret-file "$SECRET_FILE")
     fi
     printf '%s\n' "${argv[@]}"
 }

@@ -7,6 +7,7 @@ import sys
 
 import uvicorn
 
+from common.cluster_secret import ClusterSecret, ClusterSecretError, require_safe_bind
 from router.app import build_app
 from router.config import RouterConfig
 
@@ -17,6 +18,10 @@ def main(argv: list[str] | None = None) -> None:
     except ValueError as e:
         sys.exit(f"router: {e}")
     logging.basicConfig(level=cfg.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        require_safe_bind("router", cfg.host, ClusterSecret.load(cfg.cluster_secret_file), cfg.allow_unauthenticated)
+    except ClusterSecretError as e:
+        sys.exit(f"router: {e}")
     app = build_app(cfg)
     uvicorn.run(app, host=cfg.host, port=cfg.port, log_level=cfg.log_level, access_log=False,
                 timeout_keep_alive=30, backlog=4096)

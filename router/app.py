@@ -21,6 +21,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from common.cluster_secret import ClusterSecret
 from common.server.generate_request import GenerateRequestBody
 from common.server.generate_response import ErrorResponse, GenerateResponse
 from common.server.openapi import ApiRoute, mount_openapi, openapi_document
@@ -58,13 +59,15 @@ class Router:
         self.kv_indexes = KVIndexes()
         self.registry = WorkerRegistry(cfg, self.kv_indexes.cached_tokens)
         self.metrics = RouterMetrics(self.registry)
+        secret = ClusterSecret.load(cfg.cluster_secret_file)
+        worker_headers = {"Authorization": secret.bearer()} if secret is not None else {}
         self.admission = Admission(cfg, self.registry, self.metrics)
         self.metrics.watch_admission(self.admission)
-        self.dispatcher = Dispatcher(cfg, self.registry, self.metrics, self.admission, self.kv_indexes)
+        self.dispatcher = Dispatcher(cfg, self.registry, self.metrics, self.admission, self.kv_indexes, worker_headers)
         self.load = LoadMonitor(self.registry, cfg.load_report_interval, cfg.health_check_timeout,
-                                self.admission.notify)
+                                self.admission.notify, worker_headers)
         probe_ids = self.model.encode("ping")[:4]
-        self.health = HealthChecker(cfg, self.registry, self.metrics, probe_ids, self.kv_indexes)
+        self.health = HealthChecker(cfg, self.registry, self.metrics, probe_ids, self.kv_indexes, worker_headers)
         self.parser = RequestParser(self.model, cfg.default_max_tokens_cap, cfg.incremental_streaming_output)
         self.handler = GenerationHandler(self)
         self.created = int(time.time())

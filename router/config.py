@@ -104,6 +104,8 @@ class RouterConfig:
     max_connections: int = 2048
     max_body_bytes: int = 8 << 20
     incremental_streaming_output: bool = False  # /generate streams deltas (default: cumulative, as SGLang)
+    cluster_secret_file: str | None = None  # None: $PDSERVE_CLUSTER_SECRET, else no secret (see common.cluster_secret)
+    allow_unauthenticated: bool = False
     log_level: str = "info"
 
     @property
@@ -237,6 +239,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--incremental-streaming-output", action="store_true",
                    help="/generate streams deltas of text and output_ids (default: cumulative events, as SGLang); "
                         "a request's `incremental_stream` overrides it")
+    p.add_argument("--cluster-secret-file", default=d["cluster_secret_file"],
+                   help="file holding the cluster secret the router presents to workers "
+                        "(default: $PDSERVE_CLUSTER_SECRET)")
+    p.add_argument("--allow-unauthenticated", action="store_true",
+                   help="serve a non-loopback --host without a cluster secret (refused otherwise)")
     p.add_argument("--log-level", default=d["log_level"])
     return p
 

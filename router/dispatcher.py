@@ -88,8 +88,9 @@ class RequestRun:
 
 class Dispatcher:
     def __init__(self, cfg: RouterConfig, registry: WorkerRegistry, metrics: RouterMetrics,
-                 admission: Admission, kv_indexes: KVIndexes) -> None:
+                 admission: Admission, kv_indexes: KVIndexes, worker_headers: dict[str, str] | None = None) -> None:
         self.cfg = cfg
+        self.worker_headers = worker_headers or {}
         self.registry = registry
         self.metrics = metrics
         self.admission = admission
@@ -98,7 +99,8 @@ class Dispatcher:
         self.background: set[asyncio.Task[Any]] = set()
 
     def open(self) -> None:
-        self.client = HttpClient(max_per_origin=self.cfg.max_connections, connect_timeout=self.cfg.connect_timeout)
+        self.client = HttpClient(max_per_origin=self.cfg.max_connections, connect_timeout=self.cfg.connect_timeout,
+                                 default_headers=self.worker_headers)
 
     async def close(self) -> None:
         for t in list(self.background):

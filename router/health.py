@@ -41,8 +41,10 @@ logger = logging.getLogger("router.health")
 
 class HealthChecker:
     def __init__(self, cfg: RouterConfig, registry: WorkerRegistry, metrics: RouterMetrics,
-                 probe_input_ids: list[int], kv_indexes: KVIndexes | None = None) -> None:
+                 probe_input_ids: list[int], kv_indexes: KVIndexes | None = None,
+                 worker_headers: dict[str, str] | None = None) -> None:
         self.cfg = cfg
+        self.worker_headers = worker_headers or {}
         self.registry = registry
         self.metrics = metrics
         self.probe_input_ids = probe_input_ids or [0]
@@ -58,7 +60,7 @@ class HealthChecker:
 
     def start(self) -> None:
         self._client = httpx.AsyncClient(timeout=self.cfg.health.probe_timeout_s, trust_env=False,
-                                         limits=httpx.Limits(max_keepalive_connections=64))
+                                         headers=self.worker_headers, limits=httpx.Limits(max_keepalive_connections=64))
         self._task = asyncio.ensure_future(self._loop())
 
     async def stop(self) -> None:

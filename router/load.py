@@ -31,8 +31,9 @@ _DECODER = msgspec.json.Decoder(LoadReport)
 
 class LoadMonitor:
     def __init__(self, registry: WorkerRegistry, interval_s: float, timeout_s: float,
-                 on_round: Callable[[], None]) -> None:
+                 on_round: Callable[[], None], worker_headers: dict[str, str] | None = None) -> None:
         self.registry = registry
+        self.worker_headers = worker_headers or {}
         self.interval_s = interval_s
         self.timeout_s = timeout_s
         self.on_round = on_round
@@ -41,7 +42,7 @@ class LoadMonitor:
         self._task: asyncio.Task[None] | None = None
 
     def start(self) -> None:
-        self._client = httpx.AsyncClient(timeout=self.timeout_s, trust_env=False)
+        self._client = httpx.AsyncClient(timeout=self.timeout_s, trust_env=False, headers=self.worker_headers)
         self._task = asyncio.ensure_future(self._loop())
 
     async def stop(self) -> None:

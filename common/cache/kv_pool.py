@@ -116,6 +116,10 @@ class KVPool:
         self._flat(self.k_buffers[layer])[slots] = k.reshape(n, -1).to(self.dtype)
         self._flat(self.v_buffers[layer])[slots] = v.reshape(n, -1).to(self.dtype)
 
+    def host_copy_bytes(self, num_tokens: int) -> int:
+        """Bytes copy_slots_to_host returns for `num_tokens` slots (K and V, every layer)."""
+        return 2 * self.num_layers * num_tokens * self.layout.page_bytes // self.layout.page_size
+
     def copy_slots_to_host(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """[layers, n, heads * dim] host copies of K and V at `slots` (decode retraction)."""
         self.streams.scheduler_waits_for_worker()

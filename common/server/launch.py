@@ -29,6 +29,8 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from common.cluster_secret import ClusterSecret, ClusterSecretError, require_safe_bind
+from common.server.cluster_auth import ClusterAuth
 from common.server.engine_handle import EngineHandle, EngineMain, configure_logging
 from common.server.ipc import READY_SEQ, EngineIpcAddrs, FrontendChannel
 from common.server.liveness import StepClock, step_clock_path
@@ -84,6 +86,12 @@ def launch_server(
     except Exception as e:
         logger.error("cannot resolve the model path %r: %s", server_args.model_path, e)
         raise LaunchError(f"cannot resolve the model path {server_args.model_path!r}: {e}") from e
+    try:
+        secret = ClusterSecret.load(args.cluster_secret_file)
+        require_safe_bind(f"{args.disaggregation_mode} instance", args.host, secret, args.allow_unauthenticated)
+    except ClusterSecretError as e:
+        logger.error("%s", e)
+        raise LaunchError(str(e)) from e
     _check_port_free(args.host, args.port)
     addrs = EngineIpcAddrs.new()
     step_clock = StepClock.create(step_clock_path(addrs))
@@ -210,7 +218,7 @@ async def _serve(
     if configure_app is not None:
         configure_app(app, args)
     config = uvicorn.Config(
-        app,
+        ClusterAuth(app, ClusterSecret.load(args.cluster_secret_file)),
         host=args.host,
         port=args.port,
         log_level=args.log_level,

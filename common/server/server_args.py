@@ -44,6 +44,9 @@ class ServerArgs:
     port: int = 30000
     request_timeout: float | None = None
     incremental_streaming_output: bool = False
+    # Control-plane security
+    cluster_secret_file: str | None = None
+    allow_unauthenticated: bool = False
     # Memory and scheduling
     page_size: int = SchedulerConfig.page_size
     chunked_prefill_size: int = SchedulerConfig.chunked_prefill_size
@@ -77,6 +80,7 @@ class ServerArgs:
     disaggregation_heartbeat_timeout: float = TransferConfig.heartbeat_timeout_s
     disaggregation_handshake_timeout: float = TransferConfig.handshake_timeout_s
     disaggregation_drain_timeout: float = TransferConfig.drain_timeout_s
+    swap_space: float = 4.0
     disaggregation_fault_spec: str | None = None
     # Process lifecycle
     log_level: str = "info"
@@ -136,6 +140,8 @@ class ServerArgs:
             return f"--kv-events-port must be in [0, 65535], got {self.kv_events_port}"
         if self.disaggregation_local_prefill_max_tokens < 0:
             return f"--disaggregation-local-prefill-max-tokens must be >= 0, got {self.disaggregation_local_prefill_max_tokens}"
+        if self.swap_space < 0:
+            return f"--swap-space must be >= 0, got {self.swap_space}"
         if self.num_reserved_decode_tokens < 0:
             return f"--num-reserved-decode-tokens must be >= 0, got {self.num_reserved_decode_tokens}"
         if self.chunked_prefill_size != -1 and (
@@ -232,6 +238,9 @@ _HELP: dict[str, str] = {
     "base_gpu_id": "CUDA device index of this instance (cuda:N); pd.sh --gpus-per-host sets it per instance",
     "host": "HTTP bind address",
     "port": "HTTP port",
+    "cluster_secret_file": "file holding the cluster secret (default: $PDSERVE_CLUSTER_SECRET); every endpoint but "
+    "/health and /metrics then needs it, and so does the KV bootstrap channel (CURVE)",
+    "allow_unauthenticated": "serve a non-loopback --host without a cluster secret (refused otherwise)",
     "request_timeout": "seconds per request end to end at the frontend (default: off)",
     "page_size": "tokens per KV page",
     "chunked_prefill_size": "max prompt tokens per prefill chunk, page aligned (-1: off)",
@@ -269,6 +278,8 @@ _HELP: dict[str, str] = {
     "disaggregation_heartbeat_timeout": "seconds without a heartbeat answer before a peer is dead",
     "disaggregation_handshake_timeout": "decode: seconds a prefill may take to answer the first handshake",
     "disaggregation_drain_timeout": "decode: seconds an aborted transfer's pages stay held waiting for prefill's drain ack",
+    "swap_space": "decode: GiB of host memory for retracted requests' KV copies (vLLM's name); a retraction "
+    "past it finishes that request with a 503 error",
     "disaggregation_fault_spec": "test-only fault injection spec",
     "log_level": "logging level of both processes",
     "watchdog_timeout": "seconds one engine step may run before the engine counts as hung: /health turns 503 and the instance exits",

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from common.cache.kv_pool import KVPool
+from common.cluster_secret import ClusterSecret
 from kv_transfer import AuxBuffer, AuxRow, KVManager, KVManagerArgs, KVPoll, TransferConfig
 
 CANARY = 0x5A
@@ -76,8 +77,10 @@ def page_bytes(pool: KVPool, buf: int, page: int) -> torch.Tensor:
 
 
 def make_manager(role: str, spec: PoolSpec, seed: int | None, **cfg: Any) -> tuple[KVManager, KVPool, AuxBuffer]:
+    """`cfg`: TransferConfig fields, plus `cluster_secret` (bytes): the bootstrap channel over CURVE."""
     pool = make_pool(spec, seed)
     aux = AuxBuffer(spec.aux_slots)
+    secret = cfg.pop("cluster_secret", None)
     config = TransferConfig(**{**FAST, **cfg})
     args = KVManagerArgs(
         role=role,  # type: ignore[arg-type]
@@ -86,6 +89,7 @@ def make_manager(role: str, spec: PoolSpec, seed: int | None, **cfg: Any) -> tup
         v_buffers=pool.v_buffers,
         aux_buffer=aux,
         config=config,
+        cluster_secret=ClusterSecret(secret) if secret is not None else None,
     )
     return KVManager(args), pool, aux
 

@@ -8,6 +8,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 
 from tests.launch.pd_launch import PD_SH, REPO_ROOT, PdLaunch
@@ -73,6 +74,17 @@ def test_pd_sh_serves_openai_and_sigterm_stops_everything(
         model=tiny_llama_path, prompt="one two three", max_tokens=4, temperature=0
     )
     assert text.usage is not None and text.usage.completion_tokens == 4
+
+    # Secure with no extra flag: one secret per launch, 0600, on no command line; workers need it.
+    secret_file = tmp_path / "logs" / "cluster_secret"
+    assert secret_file.stat().st_mode & 0o777 == 0o600
+    secret = secret_file.read_text()
+    assert len(secret) == 64
+    ps = subprocess.run(["ps", "-eww", "-o", "args"], capture_output=True, text=True, timeout=30).stdout
+    assert secret not in ps and str(secret_file) in ps
+    for port in (ports["--prefill-port"], ports["--decode-port"]):
+        r = httpx.post(f"http://127.0.0.1:{port}/generate", json={"input_ids": [1, 2]}, timeout=10)
+        assert r.status_code == 401, r.text
 
     roles = run.roles()
     assert sorted(r.name for r in roles) == ["decode-0", "prefill-0", "router"]
@@ -153,12 +165,14 @@ def test_ssh_and_exec_hook_run_the_same_role_command(tmp_path: Path) -> None:
         "-m decode_server --model-path /models/m --host 10.9.0.4 --port 30200 --page-size 32"
         in cmds["decode-0"]
     )
-    assert cmds["decode-0"].endswith("--page-size 32")
+    secret = f"--cluster-secret-file {tmp_path / 'logs' / 'cluster_secret'}"
+    assert cmds["decode-0"].endswith(f"--page-size 32 {secret}")
     assert cmds["router"].endswith(
         "-m router --model-path /models/m --host 10.9.0.1 --port 8000 "
         "--prefill http://10.9.0.2:30100 8998 --prefill http://10.9.0.3:9000 9100 "
-        "--decode http://10.9.0.4:30200"
+        f"--decode http://10.9.0.4:30200 {secret}"
     )
+    assert all(cmd.endswith(secret) for cmd in cmds.values())
 
 
 @pytest.mark.parametrize(
@@ -227,7 +241,7 @@ def test_colocated_mode_puts_instances_behind_the_router_as_workers(tmp_path: Pa
     cmds = dict(zip([line.split()[0] for line in lines[::2]], lines[1::2], strict=True))
     assert set(cmds) == {"colocated-0", "colocated-1", "router"}
     assert "-m common.server --model-path /models/m --host 127.0.0.1 --port 30101" in cmds["colocated-1"]
-    assert cmds["router"].endswith("--worker http://127.0.0.1:30100 --worker http://127.0.0.1:30101")
+    assert "--worker http://127.0.0.1:30100 --worker http://127.0.0.1:30101 --cluster-secret-file" in cmds["router"]
     hosts = tmp_path / "hosts"
     hosts.write_text("colocated 10.9.0.2\nprefill 10.9.0.3\ndecode 10.9.0.4\n")
     res = subprocess.run(

@@ -89,6 +89,13 @@ def test_pd_sh_runs_roles_on_three_hosts_and_moves_kv_over_tcp(
             "decode-0": lab.addr(DECODE),
             "router": lab.addr(ROUTER),
         }
+        # every host got the launch's secret (0600) and the workers require it of anyone else
+        assert (tmp_path / "logs" / "cluster_secret").stat().st_mode & 0o777 == 0o600
+        for host, port in ((PREFILL, PORTS["prefill"]), (DECODE, PORTS["decode"])):
+            url = f"http://{lab.addr(host)}:{port}/server_info"
+            code = lab.run_in(lab.addr(ROUTER), ["curl", "-s", "--noproxy", "*", "-m", "10", "-o", "/dev/null",
+                                                  "-w", "%{http_code}", url]).stdout
+            assert code == "401", (host, code)
         # the router's readiness probe already moved some KV: measure from here
         kv_before = metric(lab, PREFILL, PORTS["prefill"], "kv_transfer_bytes")
         tx_before = lab.tx_bytes(PREFILL)

@@ -141,6 +141,9 @@ class FakeWorkerKVPool:
     def __init__(self, worker: FakeModelWorker) -> None:
         self.worker = worker
 
+    def host_copy_bytes(self, num_tokens: int) -> int:
+        return 2 * 8 * num_tokens
+
     def copy_slots_to_host(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         tokens = torch.tensor([[self.worker.kv[int(s)] for s in slots]], dtype=torch.int64)
         return tokens, tokens.clone()

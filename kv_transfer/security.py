@@ -1,0 +1,77 @@
+"""Who may talk on the bootstrap channel: ZMQ CURVE keyed by the cluster secret.
+
+    sec = BootstrapSecurity(ctx, secret, max_msg_bytes)   # secret None: plain ZMQ (loopback)
+    sec.serve(router)    # prefill ROUTER: CURVE server; ZAP admits only the cluster's client key
+    sec.connect(dealer)  # decode DEALER: CURVE client that knows the server key
+    sec.close()
+
+Both key pairs derive from the secret (common.cluster_secret). A decode's DEALER sends
+nothing, its queued Register included, until the CURVE handshake proved that the other
+end holds the server's secret key: a fake prefill named by a request's bootstrap_host
+completes no handshake and learns nothing. Prefill's ZAP handler admits only a client
+that proved the client key; anyone else's connection never delivers a message. CURVE
+also encrypts the channel (agent metadata, KV base addresses) and rejects replayed or
+reordered messages (per-connection short-term keys and nonces).
+"""
+
+from __future__ import annotations
+
+import hmac
+
+import zmq
+from zmq.auth.thread import ThreadAuthenticator
+
+from common.cluster_secret import ClusterSecret, CurveKeys
+
+RECV_HWM = 256  # messages ZMQ queues per peer before that peer's own sends back up (they never block: see send_nowait)
+
+
+class _ClusterClients:
+    def __init__(self, client_public: bytes) -> None:
+        self.client_public = client_public
+
+    def callback(self, domain: str, key: bytes) -> bool:
+        return hmac.compare_digest(key, self.client_public)
+
+
+class BootstrapSecurity:
+    def __init__(self, ctx: zmq.Context, secret: ClusterSecret | None, max_msg_bytes: int) -> None:
+        self.ctx = ctx
+        self.keys: CurveKeys | None = secret.curve() if secret is not None else None
+        self.max_msg_bytes = max_msg_bytes
+        self._auth: ThreadAuthenticator | None = None
+
+    @property
+    def authenticated(self) -> bool:
+        return self.keys is not None
+
+    def _limits(self, sock: zmq.Socket) -> None:
+        sock.setsockopt(zmq.MAXMSGSIZE, self.max_msg_bytes)
+        sock.setsockopt(zmq.RCVHWM, RECV_HWM)
+
+    def serve(self, sock: zmq.Socket) -> None:
+        """Before bind: only the cluster's CURVE clients get through."""
+        self._limits(sock)
+        if self.keys is None:
+            return
+        if self._auth is None:
+            self._auth = ThreadAuthenticator(self.ctx)
+            self._auth.start()
+            self._auth.configure_curve_callback("*", _ClusterClients(self.keys.client_public))
+        sock.curve_server = True
+        sock.curve_secretkey = self.keys.server_secret
+        sock.curve_publickey = self.keys.server_public
+
+    def connect(self, sock: zmq.Socket) -> None:
+        """Before connect: talk only to a server holding the cluster's server key."""
+        self._limits(sock)
+        if self.keys is None:
+            return
+        sock.curve_secretkey = self.keys.client_secret
+        sock.curve_publickey = self.keys.client_public
+        sock.curve_serverkey = self.keys.server_public
+
+    def close(self) -> None:
+        if self._auth is not None:
+            self._auth.stop()
+            self._auth = None
