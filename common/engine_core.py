@@ -20,6 +20,7 @@ import torch
 
 from common.cache import PageAllocator, RadixCache, ReqToTokenPool
 from common.cache.kv_pool import KVPool
+from common.cluster_secret import ClusterSecret
 from common.model.config import ModelConfig, resolve_dtype
 from common.model.default_model import resolve_model_path
 from common.model.device import on_device_thread, resolve_device, use_device
@@ -169,7 +170,8 @@ def build_engine_core(
     allocator = PageAllocator(kv_pool.num_pages, args.page_size)
     kv_events = None
     if not args.disable_radix_cache and not args.disable_kv_events and publish_kv_events:
-        kv_events = KVEventPublisher(args.host, args.kv_events_port, args.page_size)
+        kv_events = KVEventPublisher(args.host, args.kv_events_port, args.page_size,
+                                     secret=ClusterSecret.load(args.cluster_secret_file))
     radix = RadixCache(allocator, args.page_size, disable=args.disable_radix_cache, events=kv_events)
     kv = ReqKVManager(allocator, radix, req_pool, defer_frees=role.defer_frees)
     future_capacity = 4 * (req_pool.max_reqs + 8)

@@ -56,10 +56,10 @@ class Router:
     def __init__(self, cfg: RouterConfig, model: ModelInfo | None = None) -> None:
         self.cfg = cfg
         self.model = model or ModelInfo.load(cfg.model_path, cfg.served_model_name, cfg.context_length)
-        self.kv_indexes = KVIndexes()
+        secret = ClusterSecret.load(cfg.cluster_secret_file)
+        self.kv_indexes = KVIndexes(secret)
         self.registry = WorkerRegistry(cfg, self.kv_indexes.cached_tokens)
         self.metrics = RouterMetrics(self.registry)
-        secret = ClusterSecret.load(cfg.cluster_secret_file)
         worker_headers = {"Authorization": secret.bearer()} if secret is not None else {}
         self.admission = Admission(cfg, self.registry, self.metrics)
         self.metrics.watch_admission(self.admission)

@@ -6,7 +6,8 @@ worker and one `WorkerKVIndex` (the set of page chain hashes it holds). An index
 only while it is in sync: it starts out of sync, is rebuilt from a KVSnapshot, then
 follows KVEventBatches; a seq gap (messages dropped) or a new epoch (the worker
 restarted) puts it out of sync until the next snapshot. So a restarted or re-registered
-worker is never judged by what its previous life held.
+worker is never judged by what its previous life held. With a cluster secret the
+subscription is a CURVE client of the worker's CURVE server (common/cluster_secret.py).
 
 Owned by the router app: `sync()` (from the health loop) follows the registry, the
 dispatcher asks `cached_tokens()`. Everything runs on the event loop.
@@ -25,6 +26,8 @@ import zmq
 import zmq.asyncio
 
 from common.cache.kv_events import KVEventMessage, KVSnapshot, PromptHashes
+from common.cluster_secret import ClusterSecret
+from kv_transfer.security import BootstrapSecurity
 from router.worker import Worker
 
 logger = logging.getLogger("router.kv_index")
@@ -80,9 +83,13 @@ class _Subscription:
     since: float  # monotonic time of subscribing
 
 
+MAX_SNAPSHOT_BYTES = 256 << 20  # 32M pages' hashes
+
+
 class KVIndexes:
-    def __init__(self) -> None:
+    def __init__(self, secret: ClusterSecret | None = None) -> None:
         self._ctx = zmq.asyncio.Context.instance()
+        self._security = BootstrapSecurity(self._ctx, secret, MAX_SNAPSHOT_BYTES)  # a CURVE client with a secret
         self._subs: dict[str, _Subscription] = {}
         self._decoder = msgspec.msgpack.Decoder(KVEventMessage)
 
@@ -140,6 +147,7 @@ class KVIndexes:
         sock = self._ctx.socket(zmq.SUB)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.SUBSCRIBE, b"")
+        self._security.connect(sock)
         sock.connect(endpoint)
         logger.info("following KV events of %s at %s", url, endpoint)
         try:

@@ -5,7 +5,8 @@ changes, the engine loop calls flush() once per iteration, which sends the net c
 as one KVEventBatch, and a KVSnapshot of everything held every `snapshot_interval_s`
 (common/cache/kv_events.py has the wire). Sending never blocks: a subscriber that is
 slow or gone loses messages (ZMQ's high-water mark), sees the seq gap, and resyncs from
-the next snapshot. Binds the instance's --host only.
+the next snapshot. Binds the instance's --host only; with a cluster secret the socket is a
+CURVE server that only the cluster's clients (the router) can subscribe to, encrypted.
 """
 
 from __future__ import annotations
@@ -18,14 +19,18 @@ import msgspec
 import zmq
 
 from common.cache.kv_events import KVEventBatch, KVSnapshot
+from common.cluster_secret import ClusterSecret
+from kv_transfer.security import BootstrapSecurity
 
 logger = logging.getLogger(__name__)
 
 SEND_HWM = 1000
+MAX_INBOUND_BYTES = 4096  # a subscriber sends only its subscriptions
 
 
 class KVEventPublisher:
-    def __init__(self, host: str, port: int, page_size: int, *, snapshot_interval_s: float = 1.0) -> None:
+    def __init__(self, host: str, port: int, page_size: int, *, secret: ClusterSecret | None = None,
+                 snapshot_interval_s: float = 1.0) -> None:
         self.page_size = page_size
         self.snapshot_interval_s = snapshot_interval_s
         self.epoch = secrets.randbits(63)
@@ -36,9 +41,12 @@ class KVEventPublisher:
         self._cleared = False
         self._last_snapshot = 0.0
         self._encoder = msgspec.msgpack.Encoder()
-        self._sock: zmq.Socket = zmq.Context.instance().socket(zmq.PUB)
+        ctx: zmq.Context = zmq.Context.instance()
+        self._sock: zmq.Socket = ctx.socket(zmq.PUB)
         self._sock.setsockopt(zmq.SNDHWM, SEND_HWM)
         self._sock.setsockopt(zmq.LINGER, 0)
+        self._security = BootstrapSecurity(ctx, secret, MAX_INBOUND_BYTES)
+        self._security.serve(self._sock)
         addr = f"tcp://{host}"
         self.port = self._sock.bind_to_random_port(addr) if port == 0 else port
         if port != 0:
@@ -89,3 +97,4 @@ class KVEventPublisher:
 
     def close(self) -> None:
         self._sock.close(0)
+        self._security.close()

@@ -126,3 +126,37 @@ def test_cached_pages_counts_leading_hashes(cached_pages: int) -> None:
     assert [lazy[i] for i in range(5)] == hashes
     other = [7, *prompt[1:]]  # same tokens after the first: every chain hash differs
     assert index.cached_pages(PromptHashes(other, PAGE)) == 0
+
+
+def test_with_a_cluster_secret_only_the_cluster_subscribes() -> None:
+    """CURVE: a subscriber holding the cluster's client key gets the events; a plain subscriber and
+    one keyed by another secret get nothing while the first receives every snapshot."""
+    from common.cluster_secret import ClusterSecret
+    from kv_transfer.security import BootstrapSecurity
+
+    ctx = zmq.Context.instance()
+    secret, other = ClusterSecret(b"s" * 32), ClusterSecret(b"o" * 32)
+    pub = KVEventPublisher("127.0.0.1", 0, PAGE, secret=secret, snapshot_interval_s=3600)
+    subs = []
+    for key in (secret, None, other):
+        sock = ctx.socket(zmq.SUB)
+        sock.setsockopt(zmq.SUBSCRIBE, b"")
+        BootstrapSecurity(ctx, key, 1 << 20).connect(sock)
+        sock.connect(f"tcp://127.0.0.1:{pub.port}")
+        subs.append(sock)
+    good, plain, wrong = subs
+    decoder = msgspec.msgpack.Decoder(KVEventMessage)
+    try:
+        received, clock, deadline = 0, 0.0, time.monotonic() + 10
+        while received < 5:
+            assert time.monotonic() < deadline, f"the cluster's subscriber got {received} snapshots"
+            clock += 7200
+            pub.flush(now=clock)
+            if good.poll(100):
+                assert isinstance(decoder.decode(good.recv()), KVSnapshot)
+                received += 1
+        assert not plain.poll(0) and not wrong.poll(0), "a subscriber without the cluster's key got events"
+    finally:
+        for sock in subs:
+            sock.close(0)
+        pub.close()

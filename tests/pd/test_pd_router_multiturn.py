@@ -8,6 +8,7 @@ session affinity and local prefill all on (real processes, real NIXL, tiny model
 - a prompt continuing a session without its session id still finds that decode by its KV
   events (reason "cache"), also alone;
 - every pool whole at the end.
+All roles share a cluster secret, so the KV events travel over CURVE.
 
 Before each next turn the test waits for the router's index of the serving decode to move past
 the previous turn (the KV event and the client's answer travel on different sockets); the
@@ -16,6 +17,7 @@ decisions themselves are asserted exactly, from the router's counters.
 
 from __future__ import annotations
 
+import os
 import random
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -25,6 +27,7 @@ from typing import Any
 import httpx
 import pytest
 
+from common.cluster_secret import ENV_VAR
 from tests.engine.reference import hf_greedy
 from tests.pd.pd_procs import RoleProcess
 from tests.router.router_procs import RouterProc
@@ -63,6 +66,8 @@ class Cluster:
 @pytest.fixture(scope="module")
 def cluster(tiny_llama_path: str) -> Iterator[Cluster]:
     model = Path(tiny_llama_path)
+    saved = os.environ.get(ENV_VAR)
+    os.environ[ENV_VAR] = "multiturn-test-secret-0123456789"  # every role started below inherits it
     prefill = RoleProcess("prefill_server", model, *COMMON, "--max-total-tokens", "4096")
     decodes = [RoleProcess("decode_server", model, *DECODE) for _ in range(2)]
     router = None
@@ -80,6 +85,10 @@ def cluster(tiny_llama_path: str) -> Iterator[Cluster]:
         assert synced, f"router never followed decode KV events: {c.workers()}"
         yield c
     finally:
+        if saved is None:
+            os.environ.pop(ENV_VAR, None)
+        else:
+            os.environ[ENV_VAR] = saved
         if router is not None:
             router.stop()
         for inst in (prefill, *decodes):
