@@ -220,6 +220,8 @@ class DecodeSide(Side):
             if not peer.registered:
                 if now - peer.started > cfg.handshake_timeout_s:
                     why = f"prefill {peer.key[0]}:{peer.key[1]} did not answer the handshake within {cfg.handshake_timeout_s:.1f}s"
+                    if self.security is not None and self.security.authenticated:
+                        why += " (or it does not hold this cluster's secret)"
                     self._drop_peer(peer, FailureCause.HANDSHAKE, why, now)
                 continue
             if now - peer.last_seen > cfg.heartbeat_timeout_s:
