@@ -136,7 +136,7 @@ class KVManagerArgs:
     registry: object | None = None  # prometheus_client.CollectorRegistry; None = a private one
     backend: str = "nixl"  # one of kv_transfer.endpoint.TRANSFER_BACKENDS
     endpoint_factory: EndpointFactory | None = None  # overrides `backend` (tests, out-of-tree backends)
-    cluster_secret: ClusterSecret | None = None  # bootstrap channel over CURVE (kv_transfer.security); None: plain
+    cluster_secret: ClusterSecret | None = None  # bootstrap channel over CURVE (common.zmq_curve); None: plain
 
 
 class StateCell:

@@ -11,9 +11,9 @@ from __future__ import annotations
 import zmq
 
 from common.cluster_secret import ClusterSecret
+from common.zmq_curve import CurveSecurity
 from kv_transfer.base import TransferConfig
 from kv_transfer.messages import InfoQuery, PrefillInfo, RegisterAck, decode, encode
-from kv_transfer.security import BootstrapSecurity
 
 
 def query_bootstrap(host: str, port: int, timeout_s: float = 2.0, secret: ClusterSecret | None = None) -> PrefillInfo:
@@ -22,7 +22,7 @@ def query_bootstrap(host: str, port: int, timeout_s: float = 2.0, secret: Cluste
     ctx: zmq.Context = zmq.Context.instance()
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
-    BootstrapSecurity(ctx, secret, TransferConfig.max_msg_bytes).connect(sock)
+    CurveSecurity(ctx, secret, TransferConfig.max_msg_bytes).connect(sock)
     try:
         sock.connect(f"tcp://{host}:{port}")
         sock.send(encode(InfoQuery()), flags=zmq.NOBLOCK)

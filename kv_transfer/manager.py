@@ -20,6 +20,7 @@ from typing import Any
 
 import zmq
 
+from common.zmq_curve import CurveSecurity
 from kv_transfer.base import FailureCause, KVManagerArgs, KVTransferError, StateCell
 from kv_transfer.decode_side import DecodeSide
 from kv_transfer.endpoint import make_endpoint
@@ -28,7 +29,6 @@ from kv_transfer.handles import KVReceiver, KVSender
 from kv_transfer.messages import PROTOCOL_VERSION, PrefillInfo, Register
 from kv_transfer.metrics import TransferMetrics
 from kv_transfer.prefill_side import PrefillSide
-from kv_transfer.security import BootstrapSecurity
 from kv_transfer.side import Side, layout_to_wire, log
 from kv_transfer.ucx_env import ucx_pinned_to
 
@@ -59,7 +59,7 @@ class KVManager:
             self.endpoint = make(args.role, kv, args.aux_buffer.tensor, self.faults)
         self.agent_name = self.endpoint.name
         self._ctx = zmq.Context()
-        self.security = BootstrapSecurity(self._ctx, args.cluster_secret, self.cfg.max_msg_bytes)
+        self.security = CurveSecurity(self._ctx, args.cluster_secret, self.cfg.max_msg_bytes)
         self._poller = zmq.Poller()
         self._cmds: queue.SimpleQueue[object] = queue.SimpleQueue()
         self._wake_r, self._wake_w = os.pipe()

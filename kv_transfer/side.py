@@ -10,11 +10,11 @@ import msgspec
 import zmq
 
 from common.cache.kv_pool import KVLayout
+from common.zmq_curve import CurveSecurity
 from kv_transfer.base import FailureCause, StateCell, TransferConfig
 from kv_transfer.endpoint import TransferEndpoint
 from kv_transfer.messages import ControlMsg, WireLayout, decode, encode
 from kv_transfer.metrics import TransferMetrics
-from kv_transfer.security import BootstrapSecurity
 
 log = logging.getLogger("kv_transfer")
 RECV_BATCH = 1000  # messages per readable socket per loop iteration: timers and other peers get a turn
@@ -75,7 +75,7 @@ class Side:
         fail: Callable[[StateCell, FailureCause, str], bool],
         poller: zmq.Poller,
         ctx: zmq.Context,
-        security: BootstrapSecurity | None = None,
+        security: CurveSecurity | None = None,
         sock: zmq.Socket | None = None,
     ) -> None:
         self.security = security

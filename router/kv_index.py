@@ -27,7 +27,7 @@ import zmq.asyncio
 
 from common.cache.kv_events import KVEventMessage, KVSnapshot, PromptHashes
 from common.cluster_secret import ClusterSecret
-from kv_transfer.security import BootstrapSecurity
+from common.zmq_curve import CurveSecurity
 from router.worker import Worker
 
 logger = logging.getLogger("router.kv_index")
@@ -89,7 +89,7 @@ MAX_SNAPSHOT_BYTES = 256 << 20  # 32M pages' hashes
 class KVIndexes:
     def __init__(self, secret: ClusterSecret | None = None) -> None:
         self._ctx = zmq.asyncio.Context.instance()
-        self._security = BootstrapSecurity(self._ctx, secret, MAX_SNAPSHOT_BYTES)  # a CURVE client with a secret
+        self._security = CurveSecurity(self._ctx, secret, MAX_SNAPSHOT_BYTES)  # a CURVE client with a secret
         self._subs: dict[str, _Subscription] = {}
         self._decoder = msgspec.msgpack.Decoder(KVEventMessage)
 

@@ -20,7 +20,7 @@ import zmq
 
 from common.cache.kv_events import KVEventBatch, KVSnapshot
 from common.cluster_secret import ClusterSecret
-from kv_transfer.security import BootstrapSecurity
+from common.zmq_curve import CurveSecurity
 
 logger = logging.getLogger(__name__)
 
@@ -45,7 +45,7 @@ class KVEventPublisher:
         self._sock: zmq.Socket = ctx.socket(zmq.PUB)
         self._sock.setsockopt(zmq.SNDHWM, SEND_HWM)
         self._sock.setsockopt(zmq.LINGER, 0)
-        self._security = BootstrapSecurity(ctx, secret, MAX_INBOUND_BYTES)
+        self._security = CurveSecurity(ctx, secret, MAX_INBOUND_BYTES)
         self._security.serve(self._sock)
         addr = f"tcp://{host}"
         self.port = self._sock.bind_to_random_port(addr) if port == 0 else port

@@ -132,7 +132,7 @@ def test_with_a_cluster_secret_only_the_cluster_subscribes() -> None:
     """CURVE: a subscriber holding the cluster's client key gets the events; a plain subscriber and
     one keyed by another secret get nothing while the first receives every snapshot."""
     from common.cluster_secret import ClusterSecret
-    from kv_transfer.security import BootstrapSecurity
+    from common.zmq_curve import CurveSecurity
 
     ctx = zmq.Context.instance()
     secret, other = ClusterSecret(b"s" * 32), ClusterSecret(b"o" * 32)
@@ -141,7 +141,7 @@ def test_with_a_cluster_secret_only_the_cluster_subscribes() -> None:
     for key in (secret, None, other):
         sock = ctx.socket(zmq.SUB)
         sock.setsockopt(zmq.SUBSCRIBE, b"")
-        BootstrapSecurity(ctx, key, 1 << 20).connect(sock)
+        CurveSecurity(ctx, key, 1 << 20).connect(sock)
         sock.connect(f"tcp://127.0.0.1:{pub.port}")
         subs.append(sock)
     good, plain, wrong = subs

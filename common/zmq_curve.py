@@ -1,8 +1,10 @@
-"""Who may talk on the bootstrap channel: ZMQ CURVE keyed by the cluster secret.
+"""Who may talk on the cluster's ZMQ channels: CURVE keyed by the cluster secret.
 
-    sec = BootstrapSecurity(ctx, secret, max_msg_bytes)   # secret None: plain ZMQ (loopback)
-    sec.serve(router)    # prefill ROUTER: CURVE server; ZAP admits only the cluster's client key
-    sec.connect(dealer)  # decode DEALER: CURVE client that knows the server key
+    sec = CurveSecurity(ctx, secret, max_msg_bytes)   # secret None: plain ZMQ (loopback)
+    sec.serve(sock)      # the binding side (prefill's bootstrap ROUTER, an instance's KV events
+                         # PUB): CURVE server; ZAP admits only the cluster's client key
+    sec.connect(sock)    # the connecting side (decode's DEALER, the router's KV events SUB):
+                         # CURVE client that knows the server key
     sec.close()
 
 Both key pairs derive from the secret (common.cluster_secret). A decode's DEALER sends
@@ -34,7 +36,7 @@ class _ClusterClients:
         return hmac.compare_digest(key, self.client_public)
 
 
-class BootstrapSecurity:
+class CurveSecurity:
     def __init__(self, ctx: zmq.Context, secret: ClusterSecret | None, max_msg_bytes: int) -> None:
         self.ctx = ctx
         self.keys: CurveKeys | None = secret.curve() if secret is not None else None
