@@ -30,6 +30,8 @@ class CudaStreams(DeviceStreams):
         self.scheduler_stream = torch.cuda.default_stream(device)
 
     def stage(self, lists: Sequence[Values], dtype: torch.dtype) -> list[torch.Tensor]:
+        if not lists:
+            return []
         sizes = [len(x) for x in lists]
         flat = [v for x in lists for v in x]
         staged = torch.tensor(flat, dtype=dtype, pin_memory=True).to(self.device, non_blocking=True)

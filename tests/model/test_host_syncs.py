@@ -16,9 +16,13 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import pytest
+import torch
 
+from common.cache import ReqToTokenPool
+from common.cache.kv_pool import KVPool
 from common.engine import Engine
 from common.model.attention import create_attention_backend
+from common.model.device_streams import HostStreams
 from common.model.forward_batch import ForwardMode
 from common.model.testing import build_tiny_checkpoint
 from common.sampling_params import SamplingParams
@@ -130,8 +134,6 @@ def test_one_host_sync_per_decode_step_flashinfer_backend(monkeypatch: pytest.Mo
 
 
 def test_the_counter_sees_a_blocking_copy_and_a_read_back(tiny_llama_path: str) -> None:
-    import torch
-
     with HostSyncCounter() as c:
         x = torch.tensor([1, 2, 3], device="cpu")
         y = torch.tensor([4]).to("cpu")
@@ -159,3 +161,38 @@ def test_overlap_loop_stays_within_the_budget(tiny_llama_path: str) -> None:
         engine.check_integrity()
     finally:
         engine.shutdown()
+
+
+class OrderingLog(HostStreams):
+    """HostStreams that logs when the scheduler side orders itself after the worker."""
+
+    def __init__(self, log: list[str]) -> None:
+        super().__init__(torch.device("cpu"))
+        self.log = log
+
+    def scheduler_waits_for_worker(self) -> None:
+        self.log.append("wait")
+
+
+def test_scheduler_side_device_writes_wait_for_the_worker() -> None:
+    """req_to_token zeroing and retraction's host copies run on the scheduler thread: on a GPU
+    the worker's queued steps may still read those rows / pages, so each first orders itself
+    after the worker stream (a device-side wait, not a host sync)."""
+    log: list[str] = []
+    pool = ReqToTokenPool(4, 32, streams=OrderingLog(log))
+    row = pool.alloc()
+    assert row is not None
+    pool.write(row, 0, [16, 17, 18])
+    table = pool.table
+    pool.free(row)
+    assert log == ["wait"] and not bool(table[row].any())
+    pool.check_integrity()
+
+    kv = KVPool(num_layers=2, num_pages=4, page_size=4, num_kv_heads=1, head_dim=8, dtype=torch.float32,
+                streams=OrderingLog(log))
+    slots = torch.tensor([4, 5])
+    kv.k_buffers[1][4:6] = 1.5
+    k, v = kv.copy_slots_to_host(slots)
+    assert log == ["wait", "wait"] and bool((k[1] == 1.5).all())
+    kv.restore_slots_from_host(torch.tensor([8, 9]), k, v)
+    assert log == ["wait"] * 3 and bool((kv.k_buffers[1][8:10] == 1.5).all())
