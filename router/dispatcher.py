@@ -10,6 +10,9 @@
     RequestRun.batches() -> the remaining events; a failure after the first event comes out
                             as an UpstreamError (the caller reports it in-band)
     RequestRun.cancel() -> client gone: cancels the producer, which closes both upstreams
+    backlog: more than --max-stream-backlog events waiting for a client that does not read
+             -> the producer stops (both upstreams close, the workers abort the request)
+             and `run.cut_off` closes the client's connection
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import secrets
 from collections.abc import AsyncIterator
 from typing import Any
 
+from common.server.stream_cutoff import StreamCutOff
 from router.config import RouterConfig
 from router.errors import ApiError, UpstreamError
 from router.http_client import HttpClient
@@ -33,11 +37,20 @@ logger = logging.getLogger("router.dispatch")
 _END = object()
 
 
+class BacklogExceeded(ApiError):
+    """The client has not read its stream while `limit` events piled up for it."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__(503, f"the client did not read its stream ({limit} events waiting); request aborted",
+                         type="client_too_slow")
+
+
 class RequestRun:
     def __init__(self) -> None:
         self.queue: asyncio.Queue[Any] = asyncio.Queue()
         self.task: asyncio.Task[None] | None = None
         self.attempts = 0
+        self.cut_off = StreamCutOff()
 
     async def first(self) -> WorkerEvent:
         item = await self.queue.get()
@@ -105,6 +118,11 @@ class Dispatcher:
             async with asyncio.timeout(self.cfg.request_timeout):
                 await self._attempts(run, plan, rid)
             put(_END)
+        except BacklogExceeded as e:
+            self.metrics.errors.labels(e.type).inc()
+            logger.warning("rid=%s %s", rid, e.message)
+            put(e)
+            run.cut_off.cut()
         except TimeoutError:
             self.metrics.errors.labels("timeout").inc()
             put(UpstreamError(504, f"request timed out after {self.cfg.request_timeout:g} s", type="timeout",
@@ -115,11 +133,13 @@ class Dispatcher:
         except Exception as e:  # a bug: still reaches the client
             logger.exception("rid=%s dispatch failed", rid)
             put(UpstreamError(500, f"router internal error: {type(e).__name__}: {e}", type="internal_error",
-                              worker_url=None))
+                              worker_url=None, public="router internal error"))
 
     async def _attempts(self, run: RequestRun, plan: GenerationPlan, rid: str) -> None:
         assert self.client is not None, "Dispatcher.open() was not called"
         put = run.queue.put_nowait
+        qsize = run.queue.qsize
+        backlog = self.cfg.max_stream_backlog
         exclude: set[str] = set()
         last_error: UpstreamError | None = None
         for k in range(self.cfg.max_retries + 1):
@@ -138,6 +158,8 @@ class Dispatcher:
                 async for ev in attempt.events():
                     put(ev)
                     sent = True
+                    if qsize() > backlog:
+                        raise BacklogExceeded(backlog)
                 ok = True
                 return
             except UpstreamError as e:

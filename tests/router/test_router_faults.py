@@ -11,7 +11,7 @@ import httpx
 import openai
 import pytest
 from conftest import Cluster
-from router_procs import RouterProc, pd_args
+from router_procs import ADMIN, RouterProc, pd_args
 
 COMP = {"prompt": [5, 6, 7], "max_tokens": 3}
 
@@ -77,16 +77,16 @@ def test_worker_death_retry_all_down_and_runtime_add(cluster: Cluster) -> None:
         client.completions.create(model=str(cluster.model), prompt="hi", max_tokens=1)
 
     # A worker added at runtime takes traffic and makes the router ready again.
-    added = httpx.post(r.url + "/workers", json={"url": d3.url, "role": "decode"}).json()
+    added = httpx.post(r.url + "/workers", json={"url": d3.url, "role": "decode"}, headers=ADMIN).json()
     assert added["healthy"] is True
-    assert httpx.post(r.url + "/workers", json={"url": d3.url, "role": "decode"}).status_code == 409
+    assert httpx.post(r.url + "/workers", json={"url": d3.url, "role": "decode"}, headers=ADMIN).status_code == 409
     assert d3.stats()["generate"] == 1  # the bootstrap round trip re-verified the pair
     d3.reset()
     assert all(post(r, COMP).status_code == 200 for _ in range(3))
     assert d3.stats()["generate"] == 3
     wait_for(lambda: httpx.get(r.url + "/health").status_code == 200, 5, "ready again")
     # Removing it: no decode left again.
-    assert httpx.delete(r.url + "/workers", params={"url": d3.url}).status_code == 200
+    assert httpx.delete(r.url + "/workers", params={"url": d3.url}, headers=ADMIN).status_code == 200
     assert post(r, COMP).status_code == 503
     assert d3.stats()["generate"] == 3
 
@@ -155,7 +155,7 @@ def test_decode_failures(cluster: Cluster) -> None:
     assert len(events) == 4 and events[-1] == "[DONE]"
     assert "stub in-band failure" in json.loads(events[2])["error"]["message"]
     # Non-streaming: nothing was sent yet, so the failure is retried on another decode worker.
-    httpx.post(r.url + "/workers", json={"url": d_ok.url, "role": "decode"}).raise_for_status()
+    httpx.post(r.url + "/workers", json={"url": d_ok.url, "role": "decode"}, headers=ADMIN).raise_for_status()
     d_bad.control(die_after_tokens=1, error_after_tokens=None)
     codes = [post(r, {"prompt": [1, 2], "max_tokens": 3, "stream": False}).status_code for _ in range(4)]
     assert codes == [200] * 4
