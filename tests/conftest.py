@@ -37,6 +37,7 @@ PROC_PATHS = (
     "pd/test_pd_multiturn.py",
     "pd/test_pd_transfer_health.py",
     "router/",
+    "security/",
     "server/test_http_frontend.py",
     "server/test_instance_lifecycle.py",
     "server/test_liveness.py",
