@@ -129,6 +129,8 @@ class Dispatcher:
                               worker_url=None))
         except (UpstreamError, ApiError) as e:
             self.metrics.errors.labels(e.type).inc()
+            if isinstance(e, UpstreamError):  # the client sees e.public; the worker and its words go here
+                logger.warning("rid=%s failed: %d %s", rid, e.status, e.message)
             put(e)
         except Exception as e:  # a bug: still reaches the client
             logger.exception("rid=%s dispatch failed", rid)

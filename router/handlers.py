@@ -221,6 +221,7 @@ class GenerationHandler:
     def _error(self, route: str, e: ApiError, rid: str, label: str | None) -> Response:
         self.metrics.requests.labels(route, str(e.status)).inc()
         if e.status >= 500:
-            logger.warning("rid=%s label=%s %s: %d %s", rid, label, route, e.status, e.message)
+            tag = f" label={label}" if label and label != rid else ""
+            logger.warning("rid=%s%s %s: %d %s", rid, tag, route, e.status, e.message)
         return json_response(e.encode(), e.status, label or rid)
 
