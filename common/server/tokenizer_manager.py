@@ -91,6 +91,7 @@ class TokenizerManager:
         self._tasks: list[asyncio.Task[None]] = []
         self.max_in_flight = args.max_running_requests + args.max_queued_requests
         self._tokenize_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
+        self._tokenizing = 0  # requests waiting for the tokenizer thread count against the bound too
 
     # Lifecycle
 
@@ -117,9 +118,10 @@ class TokenizerManager:
     async def start(self, body: GenerateRequestBody, rid: str) -> ReqState:
         """Validate, register and send one request; ApiError(4xx/503) if it cannot start."""
         self._check_engine()
-        if len(self._states) >= self.max_in_flight:
+        held = len(self._states) + self._tokenizing
+        if held >= self.max_in_flight:
             self.metrics.rejected_full.inc()
-            raise ApiError(503, f"the instance is full ({len(self._states)} requests in flight: "
+            raise ApiError(503, f"the instance is full ({held} requests in flight: "
                                 f"--max-running-requests + --max-queued-requests); retry later",
                            "unavailable", retry_after=FULL_RETRY_AFTER_S)
         if rid in self._states:
@@ -161,7 +163,11 @@ class TokenizerManager:
             return self.processor.process(body, rid)
         self.processor.check_text_len(body.text)
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._tokenize_pool, self.processor.process, body, rid)
+        self._tokenizing += 1
+        try:
+            return await loop.run_in_executor(self._tokenize_pool, self.processor.process, body, rid)
+        finally:
+            self._tokenizing -= 1
 
     def _cut_off(self, state: ReqState) -> None:
         """The client has not read its stream while max_stream_backlog outputs piled up."""
