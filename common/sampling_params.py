@@ -12,6 +12,8 @@ from typing import Any
 import msgspec
 
 MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_CHARS = 256  # the detokenizer scans every stop string at each token
+MAX_STOP_TOKEN_IDS = 1024
 
 
 class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
@@ -71,6 +73,10 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
             bad(f"at most {MAX_STOP_STRINGS} stop strings")
         if any(not s for s in self.stop):
             bad("stop strings must be non-empty")
+        if any(len(s) > MAX_STOP_STRING_CHARS for s in self.stop):
+            bad(f"stop strings must be at most {MAX_STOP_STRING_CHARS} characters")
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            bad(f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids")
         if vocab_size is not None:
             for t in self.stop_token_ids:
                 if not (0 <= t < vocab_size):

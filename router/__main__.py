@@ -8,6 +8,7 @@ import sys
 import uvicorn
 
 from common.cluster_secret import ClusterSecret, ClusterSecretError, require_safe_bind
+from common.server.conn_limits import header_timeout_protocol, raise_nofile_limit
 from router.app import build_app
 from router.config import RouterConfig
 
@@ -23,8 +24,12 @@ def main(argv: list[str] | None = None) -> None:
     except ClusterSecretError as e:
         sys.exit(f"router: {e}")
     app = build_app(cfg)
+    nofile = raise_nofile_limit()
+    logging.getLogger("router").info("open-file limit %d; api key %s; worker admin %s", nofile,
+                                     "required" if cfg.api_key else "off (open)",
+                                     "on" if cfg.admin_api_key else "off (/workers answers 403)")
     uvicorn.run(app, host=cfg.host, port=cfg.port, log_level=cfg.log_level, access_log=False,
-                timeout_keep_alive=30, backlog=4096)
+                timeout_keep_alive=30, backlog=4096, http=header_timeout_protocol(cfg.header_timeout))
 
 
 if __name__ == "__main__":

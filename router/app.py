@@ -5,7 +5,8 @@
     POST /workers {"url", "role", "bootstrap_port"?}  DELETE /workers?url=... (or {"url"})
 
 `build_app(cfg)` wires one Router (all state) into a FastAPI app; every error
-leaves through one exception boundary in the OpenAI shape.
+leaves through one exception boundary in the OpenAI shape. router/auth.py decides who
+may call what (--api-key for clients, --admin-api-key for /workers) before a route runs.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from common.server.generate_request import GenerateRequestBody
 from common.server.generate_response import ErrorResponse, GenerateResponse
 from common.server.openapi import ApiRoute, mount_openapi, openapi_document
 from router.admission import Admission
+from router.auth import AuthMiddleware
 from router.config import RouterConfig, WorkerSpec, normalize_url
 from router.dispatcher import Dispatcher
 from router.errors import ApiError, bad_request
@@ -55,7 +57,8 @@ class Router:
 
     def __init__(self, cfg: RouterConfig, model: ModelInfo | None = None) -> None:
         self.cfg = cfg
-        self.model = model or ModelInfo.load(cfg.model_path, cfg.served_model_name, cfg.context_length)
+        self.model = model or ModelInfo.load(cfg.model_path, cfg.served_model_name, cfg.context_length,
+                                             cfg.max_prompt_chars)
         secret = ClusterSecret.load(cfg.cluster_secret_file)
         self.kv_indexes = KVIndexes(secret)
         self.registry = WorkerRegistry(cfg, self.kv_indexes.cached_tokens)
@@ -83,6 +86,7 @@ class Router:
         await self.health.stop()
         await self.dispatcher.close()
         await self.kv_indexes.close()
+        self.handler.close()
 
     def not_ready_reason(self) -> str | None:
         for role in self.registry.roles:
@@ -122,7 +126,7 @@ def build_app(cfg: RouterConfig, model: ModelInfo | None = None) -> FastAPI:
     @app.exception_handler(Exception)
     async def _internal(request: Request, exc: Exception) -> Response:
         logger.exception("unhandled error on %s", request.url.path)
-        err = ApiError(500, f"router internal error: {type(exc).__name__}", type="internal_error")
+        err = ApiError(500, "router internal error (details are in the router's log)", type="internal_error")
         return json_response(err.encode(), 500, None)
 
     @app.post("/v1/completions")
@@ -140,7 +144,7 @@ def build_app(cfg: RouterConfig, model: ModelInfo | None = None) -> FastAPI:
     @app.get("/v1/models")
     async def models() -> Response:
         m = router.model
-        card = {"id": m.name, "object": "model", "created": router.created, "owned_by": "pdserve", "root": m.path,
+        card = {"id": m.name, "object": "model", "created": router.created, "owned_by": "pdserve", "root": m.name,
                 "max_model_len": m.context_length}
         return json_response(msgspec.json.encode({"object": "list", "data": [card]}), 200, None)
 
@@ -171,8 +175,15 @@ def build_app(cfg: RouterConfig, model: ModelInfo | None = None) -> FastAPI:
         await router.health.check_worker(w)
         if cfg.disaggregated and not router.health.pd_verified:
             await router.health.probe_pair()
-        logger.info("worker %s (%s) added, healthy=%s", w.url, w.role, w.health.healthy)
-        return json_response(msgspec.json.encode(w.describe()), 200, None)
+        logger.info("worker %s (%s) added, healthy=%s%s", w.url, w.role, w.health.healthy,
+                    "" if w.health.healthy else f" ({w.health.last_error})")
+        # One answer whatever the probe met (refused, timeout, another service): POST /workers
+        # must not tell a caller which host:port is open. The reason is in the log.
+        port = w.bootstrap_port if w.health.healthy else spec.bootstrap_port
+        added = {"url": w.url, "role": w.role, "bootstrap_port": port, "healthy": w.health.healthy,
+                 "message": "added" if w.health.healthy else
+                 "added; not healthy yet (the router keeps probing it; the reason is in the router's log)"}
+        return json_response(msgspec.json.encode(added), 200, None)
 
     @app.delete("/workers")
     async def remove_worker(request: Request) -> Response:
@@ -187,6 +198,7 @@ def build_app(cfg: RouterConfig, model: ModelInfo | None = None) -> FastAPI:
         return json_response(msgspec.json.encode(w.describe()), 200, None)
 
     mount_openapi(app, openapi_document("pdserve router", ROUTER_ROUTES))
+    app.add_middleware(AuthMiddleware, api_key=cfg.api_key, admin_api_key=cfg.admin_api_key)
     return app
 
 

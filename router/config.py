@@ -3,8 +3,8 @@
     python -m router --model-path DIR --prefill URL [BOOTSTRAP_PORT] ... --decode URL ...
     python -m router --model-path DIR --worker URL ...            (colocated baseline)
 
-`RouterConfig.from_args(argv)` parses and validates once; nothing reads the
-environment. A prefill worker's bootstrap port may be omitted: the router then
+`RouterConfig.from_args(argv)` parses and validates once; the environment is read only
+for the keys' defaults (PDSERVE_API_KEY, PDSERVE_ADMIN_API_KEY, like vLLM's VLLM_API_KEY). A prefill worker's bootstrap port may be omitted: the router then
 learns it from the worker's `/server_info` before routing to it. Every health
 timing is read from one derived record, `RouterConfig.health` (HealthConfig).
 """
@@ -13,10 +13,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, field
 from typing import Literal
 from urllib.parse import urlsplit
 
+from common.server.conn_limits import DEFAULT_HEADER_TIMEOUT_S
 from common.server.liveness import HEALTH_ANSWER_BOUND_S
 
 Role = Literal["prefill", "decode", "colocated"]
@@ -107,6 +109,11 @@ class RouterConfig:
     cluster_secret_file: str | None = None  # None: $PDSERVE_CLUSTER_SECRET, else no secret (see common.cluster_secret)
     allow_unauthenticated: bool = False
     log_level: str = "info"
+    api_key: str | None = field(default=None, repr=False)  # clients: /v1/*, /generate
+    admin_api_key: str | None = field(default=None, repr=False)  # /workers; None: worker admin is off
+    header_timeout: float = DEFAULT_HEADER_TIMEOUT_S  # seconds a client may take to send a request head
+    max_stream_backlog: int = 1024  # worker events held for a streaming client that does not read
+    max_prompt_chars: int | None = None  # None: 32 x the context length; checked before tokenizing
 
     @property
     def disaggregated(self) -> bool:
@@ -156,6 +163,13 @@ class RouterConfig:
             raise ValueError("health_unresponsive_timeout must be longer than health_check_timeout")
         if min(self.breaker_failure_threshold, self.breaker_success_threshold) < 1:
             raise ValueError("breaker thresholds must be >= 1")
+        if self.header_timeout <= 0 or self.max_stream_backlog < 1:
+            raise ValueError("header_timeout must be > 0 and max_stream_backlog >= 1")
+        if self.max_prompt_chars is not None and self.max_prompt_chars < 1:
+            raise ValueError("max_prompt_chars must be >= 1")
+        for name in ("api_key", "admin_api_key"):
+            if getattr(self, name) == "":
+                raise ValueError(f"{name} must not be empty")
         urls = [w.url for w in self.all_workers()]
         if len(set(urls)) != len(urls):
             raise ValueError("a worker URL is listed twice")
@@ -212,6 +226,7 @@ def build_parser() -> argparse.ArgumentParser:
         "retry_backoff_max",
         "health_check_interval",
         "health_check_timeout",
+        "header_timeout",
         "breaker_open_seconds",
         "cache_threshold",
         "balance_rel_threshold",
@@ -231,6 +246,7 @@ def build_parser() -> argparse.ArgumentParser:
         "max_tree_tokens",
         "max_connections",
         "max_body_bytes",
+        "max_stream_backlog",
     ):
         p.add_argument("--" + name.replace("_", "-"), type=int, default=d[name])
     p.add_argument("--health-unresponsive-timeout", type=float, default=d["health_unresponsive_timeout"],
@@ -244,6 +260,13 @@ def build_parser() -> argparse.ArgumentParser:
                         "(default: $PDSERVE_CLUSTER_SECRET)")
     p.add_argument("--allow-unauthenticated", action="store_true",
                    help="serve a non-loopback --host without a cluster secret (refused otherwise)")
+    p.add_argument("--max-prompt-chars", type=int, default=d["max_prompt_chars"],
+                   help="longest prompt in characters, refused before tokenizing (default: 32 x context length)")
+    p.add_argument("--api-key", default=os.environ.get("PDSERVE_API_KEY") or None,
+                   help="clients must send 'Authorization: Bearer KEY' on /v1/* and /generate "
+                        "(default: $PDSERVE_API_KEY; unset: open)")
+    p.add_argument("--admin-api-key", default=os.environ.get("PDSERVE_ADMIN_API_KEY") or None,
+                   help="key for GET/POST/DELETE /workers (default: $PDSERVE_ADMIN_API_KEY; unset: those answer 403)")
     p.add_argument("--log-level", default=d["log_level"])
     return p
 

@@ -15,6 +15,9 @@
     RequestRun.batches() -> the remaining events; a failure after the first event comes out
                             as an UpstreamError (the caller reports it in-band)
     RequestRun.cancel() -> client gone: cancels the producer, which closes both upstreams
+    backlog: more than --max-stream-backlog events waiting for a client that does not read
+             -> the producer stops (both upstreams close, the workers abort the request)
+             and `run.cut_off` closes the client's connection
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from collections.abc import AsyncIterator
 from functools import partial
 from typing import Any
 
+from common.server.stream_cutoff import StreamCutOff
 from router.admission import Admission, has_room
 from router.config import RouterConfig
 from router.errors import ApiError, UpstreamError
@@ -43,11 +47,20 @@ logger = logging.getLogger("router.dispatch")
 _END = object()
 
 
+class BacklogExceeded(ApiError):
+    """The client has not read its stream while `limit` events piled up for it."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__(503, f"the client did not read its stream ({limit} events waiting); request aborted",
+                         type="client_too_slow")
+
+
 class RequestRun:
     def __init__(self) -> None:
         self.queue: asyncio.Queue[Any] = asyncio.Queue()
         self.task: asyncio.Task[None] | None = None
         self.attempts = 0
+        self.cut_off = StreamCutOff()
 
     async def first(self) -> WorkerEvent:
         item = await self.queue.get()
@@ -120,21 +133,30 @@ class Dispatcher:
             async with asyncio.timeout(self.cfg.request_timeout):
                 await self._attempts(run, plan, rid)
             put(_END)
+        except BacklogExceeded as e:
+            self.metrics.errors.labels(e.type).inc()
+            logger.warning("rid=%s %s", rid, e.message)
+            put(e)
+            run.cut_off.cut()
         except TimeoutError:
             self.metrics.errors.labels("timeout").inc()
             put(UpstreamError(504, f"request timed out after {self.cfg.request_timeout:g} s", type="timeout",
                               worker_url=None))
         except (UpstreamError, ApiError) as e:
             self.metrics.errors.labels(e.type).inc()
+            if isinstance(e, UpstreamError):  # the client sees e.public; the worker and its words go here
+                logger.warning("rid=%s failed: %d %s", rid, e.status, e.message)
             put(e)
         except Exception as e:  # a bug: still reaches the client
             logger.exception("rid=%s dispatch failed", rid)
             put(UpstreamError(500, f"router internal error: {type(e).__name__}: {e}", type="internal_error",
-                              worker_url=None))
+                              worker_url=None, public="router internal error"))
 
     async def _attempts(self, run: RequestRun, plan: GenerationPlan, rid: str) -> None:
         assert self.client is not None, "Dispatcher.open() was not called"
         put = run.queue.put_nowait
+        qsize = run.queue.qsize
+        backlog = self.cfg.max_stream_backlog
         exclude: set[str] = set()
         last_error: UpstreamError | None = None
         migration = Migration(plan, self.cfg.max_migrations)
@@ -159,6 +181,8 @@ class Dispatcher:
                     migration.record(ev)
                     put(ev)
                     sent = True
+                    if qsize() > backlog:
+                        raise BacklogExceeded(backlog)
                 ok = True
                 return
             except UpstreamError as e:

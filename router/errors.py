@@ -47,14 +47,22 @@ def bad_request(message: str, param: str | None = None) -> ApiError:
 
 
 class UpstreamError(Exception):
-    """One attempt failed. `worker_url` is the side to blame (None: no worker was reached)."""
+    """One attempt failed. `worker_url` is the side to blame (None: no worker was reached).
 
-    def __init__(self, status: int, message: str, *, type: str, worker_url: str | None) -> None:
+    `message` is for the log (it names the worker); a client sees `public`: the worker's own
+    message for a 4xx or 503 (about the request or the worker's load), else a generic line,
+    so no internal URL, path or exception text leaves the router."""
+
+    def __init__(self, status: int, message: str, *, type: str, worker_url: str | None,
+                 public: str | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.type = type
         self.worker_url = worker_url
+        if public is None:
+            public = message if worker_url is None else f"a worker failed to serve the request ({type})"
+        self.public = public
 
     @property
     def retryable(self) -> bool:
@@ -66,7 +74,7 @@ class UpstreamError(Exception):
         return self.retryable
 
     def to_api_error(self) -> ApiError:
-        return ApiError(self.status, self.message, type=self.type)
+        return ApiError(self.status, self.public, type=self.type)
 
     @classmethod
     def from_body(cls, status: int, raw: bytes, worker_url: str) -> UpstreamError:
@@ -79,7 +87,8 @@ class UpstreamError(Exception):
                 type_ = str(err.get("type", type_))
         except (msgspec.DecodeError, AttributeError):
             pass
-        return cls(status, f"{worker_url}: {message}", type=type_, worker_url=worker_url)
+        return cls(status, f"{worker_url}: {message}", type=type_, worker_url=worker_url,
+                   public=_public(status, message, type_))
 
     @classmethod
     def from_event(cls, err: Any, worker_url: str) -> UpstreamError:
@@ -89,4 +98,12 @@ class UpstreamError(Exception):
         code = err.get("code")
         status = code if isinstance(code, int) and 400 <= code < 600 else 500
         message = str(err.get("message", "worker reported an error"))
-        return cls(status, f"{worker_url}: {message}", type=str(err.get("type", "upstream_error")), worker_url=worker_url)
+        type_ = str(err.get("type", "upstream_error"))
+        return cls(status, f"{worker_url}: {message}", type=type_, worker_url=worker_url,
+                   public=_public(status, message, type_))
+
+
+def _public(status: int, worker_message: str, type_: str) -> str:
+    if status < 500 or status == 503:
+        return worker_message[:500]
+    return f"a worker failed to serve the request ({type_[:64]})"

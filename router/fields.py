@@ -12,20 +12,27 @@ import msgspec
 
 from router.errors import ApiError, bad_request
 
-JSON_CONTENT_TYPES = ("application/json", "")
+
+def check_json_content_type(content_type: str | None) -> None:
+    """415 unless the body is declared JSON (a missing type too: a browser's simple request, sent
+    cross-site without a preflight, cannot be application/json)."""
+    media = (content_type or "").split(";", 1)[0].strip().lower()
+    if media != "application/json" and not media.endswith("+json"):
+        raise ApiError(415, f"Content-Type must be application/json, got {media[:100]!r}",
+                       code="unsupported_media_type")
 
 
 def decode_json_object(raw: bytes, content_type: str | None) -> dict[str, Any]:
     """Body bytes -> dict, or 4xx (415 wrong content type, 400 broken JSON / not an object)."""
-    media = (content_type or "").split(";", 1)[0].strip().lower()
-    if media not in JSON_CONTENT_TYPES and not media.endswith("+json"):
-        raise ApiError(415, f"Content-Type must be application/json, got {media!r}", code="unsupported_media_type")
+    check_json_content_type(content_type)
     if not raw.strip():
         raise bad_request("request body is empty; expected a JSON object")
     try:
         body = msgspec.json.decode(raw)
     except (msgspec.MsgspecError, UnicodeDecodeError) as e:
         raise bad_request(f"request body is not valid JSON (UTF-8): {e}") from None
+    except RecursionError:
+        raise bad_request("request body is nested too deeply") from None
     if not isinstance(body, dict):
         raise bad_request(f"request body must be a JSON object, got {type(body).__name__}")
     return body

@@ -7,6 +7,12 @@
             streaming            -> SSE: first event, the rest, usage chunk, [DONE];
                                     a failure after that is an in-band error event
          -> client disconnect at any point cancels the run (both upstreams close)
+
+Request ids: the router makes its own for every request (what workers see), so a client
+reusing an id cannot collide with another user's request on a worker. The client's
+X-Request-Id (or /generate "rid") is only a label: echoed in the X-Request-Id header, the
+response ids and the log. Bodies over OFFLOAD_BYTES are decoded, checked and tokenized
+in a thread, so a huge prompt never stalls the event loop (/health, other streams).
 """
 
 from __future__ import annotations
@@ -17,12 +23,14 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable
+from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, TypeVar
 
 import msgspec
 from fastapi import Request
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import Response
 
+from common.server.stream_cutoff import CutOffStreamingResponse
 from router.errors import ApiError, UpstreamError
 from router.fields import decode_json_object
 from router.native_response import CumulativeEvents, prompt_only, sse_event
@@ -40,6 +48,7 @@ logger = logging.getLogger("router.request")
 T = TypeVar("T")
 _ENC = msgspec.json.Encoder()
 ROUTES: dict[Api, str] = {"completion": "/v1/completions", "chat": "/v1/chat/completions", "generate": "/generate"}
+OFFLOAD_BYTES = 32 << 10  # bodies above this are parsed (JSON, template, tokenizer) off the event loop
 
 
 class ClientGone(Exception):
@@ -89,38 +98,65 @@ async def _disconnected(request: Request) -> None:
         pass
 
 
+def _relabel(ev: WorkerEvent, label: str) -> WorkerEvent:
+    """A native event with the client's label as meta_info.id (workers saw the router's id)."""
+    meta = ev.data.get("meta_info")
+    if not isinstance(meta, dict) or "id" not in meta:
+        return ev
+    data = {**ev.data, "meta_info": {**meta, "id": label}}
+    return WorkerEvent(_ENC.encode(data), data)
+
+
 class GenerationHandler:
     def __init__(self, router: Router) -> None:
         self.router = router
         self.parser = router.parser
         self.metrics = router.metrics
         self.max_body = router.cfg.max_body_bytes
+        self._parse_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="router-parse")
+
+    def close(self) -> None:
+        self._parse_pool.shutdown(wait=False, cancel_futures=True)
+
+    def _parse(self, raw: bytes, content_type: str | None, api: Api, session_header: str | None) -> GenerationPlan:
+        body = decode_json_object(raw, content_type)
+        if api == "completion":
+            plan = self.parser.completion(body)
+        elif api == "chat":
+            plan = self.parser.chat(body)
+        else:
+            plan = self.parser.generate(body)
+        session = session_header or body.get("user")
+        if session:
+            plan = dataclasses.replace(plan, session_id=session_key(session))
+        return plan
 
     async def handle(self, request: Request, api: Api) -> Response:
         t0 = time.perf_counter()
         route = ROUTES[api]
-        rid = request.headers.get("x-request-id")
-        if rid is not None and not safe_rid(rid):
-            rid = None
+        rid = uuid.uuid4().hex
+        label = request.headers.get("x-request-id")
+        if label is not None and not safe_rid(label):
+            label = None
         try:
-            body = decode_json_object(await read_body(request, self.max_body), request.headers.get("content-type"))
-            if api == "completion":
-                plan = self.parser.completion(body)
-            elif api == "chat":
-                plan = self.parser.chat(body)
+            raw = await read_body(request, self.max_body)
+            ctype = request.headers.get("content-type")
+            session = request.headers.get("x-session-id")
+            if len(raw) > OFFLOAD_BYTES:
+                loop = asyncio.get_running_loop()
+                plan = await loop.run_in_executor(self._parse_pool, self._parse, raw, ctype, api, session)
             else:
-                plan = self.parser.generate(body)
-            session = request.headers.get("x-session-id") or body.get("user")
-            if session:
-                plan = dataclasses.replace(plan, session_id=session_key(session))
+                plan = self._parse(raw, ctype, api, session)
         except ApiError as e:
-            return self._error(route, e, rid or uuid.uuid4().hex)
-        rid = rid or plan.client_rid or uuid.uuid4().hex
+            return self._error(route, e, rid, label)
+        label = label or plan.client_rid or rid
         run = self.router.dispatcher.start(plan, rid)
+        if label != rid:
+            logger.debug("rid=%s label=%s", rid, label)
         try:
             first = await _unless_disconnected(request, run.first())
         except ApiError as e:
-            return self._error(route, e, rid)
+            return self._error(route, e, rid, label)
         except ClientGone:
             run.cancel()
             self.metrics.requests.labels(route, "499").inc()
@@ -128,20 +164,24 @@ class GenerationHandler:
         except BaseException:
             run.cancel()
             raise
+        relabel = api == "generate" and label != rid
+        if relabel:
+            first = _relabel(first, label)
         if not plan.stream:
             self._done(route, "200", t0)
             if api == "generate":
-                raw = _ENC.encode(prompt_only(first.data)) if plan.prompt_only else first.raw
-                return json_response(raw, 200, rid)
-            return json_response(ResponseFormatter(plan, rid, self.router.model).full(first.data), 200, rid)
+                out = _ENC.encode(prompt_only(first.data)) if plan.prompt_only else first.raw
+                return json_response(out, 200, label)
+            return json_response(ResponseFormatter(plan, label, self.router.model).full(first.data), 200, label)
         self.metrics.ttft.labels(route).observe(time.perf_counter() - t0)
-        return StreamingResponse(self._stream(plan, rid, run, first, route, t0), media_type="text/event-stream",
-                                 headers={"X-Request-Id": rid, "Cache-Control": "no-cache"})
+        return CutOffStreamingResponse(
+            self._stream(plan, rid, label, relabel, run, first, route, t0), run.cut_off,
+            media_type="text/event-stream", headers={"X-Request-Id": label, "Cache-Control": "no-cache"})
 
-    async def _stream(self, plan: GenerationPlan, rid: str, run: RequestRun, first: WorkerEvent, route: str,
-                      t0: float) -> AsyncIterator[bytes]:
+    async def _stream(self, plan: GenerationPlan, rid: str, label: str, relabel: bool, run: RequestRun,
+                      first: WorkerEvent, route: str, t0: float) -> AsyncIterator[bytes]:
         native = plan.api == "generate"
-        fmt = None if native else ResponseFormatter(plan, rid, self.router.model)
+        fmt = None if native else ResponseFormatter(plan, label, self.router.model)
         cumulative = CumulativeEvents() if native and not plan.incremental else None
         itl = self.metrics.itl.labels(route)
         status = "client_gone"
@@ -161,6 +201,8 @@ class GenerationHandler:
                     now = time.perf_counter()
                     itl.observe(now - last)
                     last = now
+                    if relabel:
+                        batch = [_relabel(ev, label) for ev in batch]
                     if cumulative is not None:
                         for ev in batch:
                             cumulative.add(ev.data)
@@ -186,9 +228,10 @@ class GenerationHandler:
         self.metrics.requests.labels(route, status).inc()
         self.metrics.e2e.labels(route).observe(time.perf_counter() - t0)
 
-    def _error(self, route: str, e: ApiError, rid: str) -> Response:
+    def _error(self, route: str, e: ApiError, rid: str, label: str | None) -> Response:
         self.metrics.requests.labels(route, str(e.status)).inc()
         if e.status >= 500:
-            logger.warning("rid=%s %s: %d %s", rid, route, e.status, e.message)
-        return json_response(e.encode(), e.status, rid, e.retry_after)
+            tag = f" label={label}" if label and label != rid else ""
+            logger.warning("rid=%s%s %s: %d %s", rid, tag, route, e.status, e.message)
+        return json_response(e.encode(), e.status, label or rid, e.retry_after)
 

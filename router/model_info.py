@@ -29,9 +29,11 @@ class ModelInfo:
     context_length: int
     vocab_size: int
     tokenizer: Any  # transformers PreTrainedTokenizerBase
+    max_prompt_chars: int = 0  # 0: 32 x context_length; longer prompts are refused before tokenizing
 
     @classmethod
-    def load(cls, model_path: str, served_name: str | None = None, context_length: int | None = None) -> ModelInfo:
+    def load(cls, model_path: str, served_name: str | None = None, context_length: int | None = None,
+             max_prompt_chars: int | None = None) -> ModelInfo:
         tokenizer = load_tokenizer(model_path)
         config = read_config_json(model_path)
         if model_context_length(config) is None and context_length is None:
@@ -41,13 +43,23 @@ class ModelInfo:
             ctx = resolve_context_length(config, context_length)
         except ContextLengthError:
             raise ValueError(f"cannot find the context length of {model_path}; pass --context-length") from None
-        return cls(served_name or model_path, model_path, int(ctx), len(tokenizer), tokenizer)
+        # the id clients see: the directory's name, not its path (the path is accepted as an alias)
+        name = served_name or Path(model_path).name or model_path
+        return cls(name, model_path, int(ctx), len(tokenizer), tokenizer, max_prompt_chars or 32 * int(ctx))
 
     @property
     def has_chat_template(self) -> bool:
         return bool(getattr(self.tokenizer, "chat_template", None))
 
+    def check_chars(self, n_chars: int, param: str) -> None:
+        """400 for a prompt too long to fit in any tokenization, before the tokenizer sees it."""
+        limit = self.max_prompt_chars or 32 * self.context_length
+        if n_chars > limit:
+            raise ApiError(400, f"the prompt has {n_chars} characters; the limit is {limit} (--max-prompt-chars)",
+                           param=param)
+
     def encode(self, text: str) -> list[int]:
+        self.check_chars(len(text), "prompt")
         try:
             return list(_encode(self.tokenizer, text))
         except UnicodeEncodeError:
@@ -56,10 +68,11 @@ class ModelInfo:
     def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
         if not self.has_chat_template:
             raise ApiError(400, f"model {self.name} has no chat template; use /v1/completions", param="messages")
+        self.check_chars(sum(len(m["content"]) for m in messages), "messages")
         try:
             text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         except Exception as e:  # jinja raise_exception() in templates reports bad conversations
-            raise ApiError(400, f"chat template rejected the messages: {e}", param="messages") from None
+            raise ApiError(400, f"chat template rejected the messages: {str(e)[:300]}", param="messages") from None
         if not isinstance(text, str):
             raise ApiError(500, "chat template did not render a string", type="internal_error")
         # The template already holds any BOS; adding special tokens again would double it.

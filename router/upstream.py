@@ -60,8 +60,10 @@ class WorkerEvent(msgspec.Struct):
 
 def _connection_error(e: HttpError, worker: Worker) -> UpstreamError:
     if isinstance(e, ConnectFailed):
-        return UpstreamError(503, f"{worker.url}: {e}", type="worker_unreachable", worker_url=worker.url)
-    return UpstreamError(502, f"{worker.url}: {e}", type="worker_connection_lost", worker_url=worker.url)
+        return UpstreamError(503, f"{worker.url}: {e}", type="worker_unreachable", worker_url=worker.url,
+                             public="a worker could not be reached")
+    return UpstreamError(502, f"{worker.url}: {e}", type="worker_connection_lost", worker_url=worker.url,
+                         public="the connection to a worker was lost")
 
 
 def _check_event(data: Any, raw: bytes, worker: Worker) -> dict[str, Any]:

@@ -27,7 +27,7 @@ from typing import Any
 import msgspec
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import Response
 from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -50,6 +50,7 @@ from common.server.protocol import (
     error_body,
 )
 from common.server.req_state import CumulativeStream, ReqState
+from common.server.stream_cutoff import CutOffStreamingResponse
 from common.server.tokenizer_manager import TokenizerManager
 from common.timeouts import wait_within
 
@@ -63,8 +64,13 @@ CLIENT_CLOSED_STATUS = 499
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
-def _json(status: int, content: Any) -> Response:
-    return Response(msgspec.json.encode(content), status_code=status, media_type="application/json")
+def _json(status: int, content: Any, headers: dict[str, str] | None = None) -> Response:
+    return Response(msgspec.json.encode(content), status_code=status, media_type="application/json", headers=headers)
+
+
+def _error(exc: ApiError) -> Response:
+    headers = {"Retry-After": str(exc.retry_after)} if exc.retry_after is not None else None
+    return _json(exc.status, exc.body(), headers)
 
 
 def _sse(payload: Any) -> bytes:
@@ -73,11 +79,10 @@ def _sse(payload: Any) -> bytes:
 
 async def read_json_body(request: Request) -> bytes:
     """The raw body, after content-type and size checks (415 / 413)."""
-    ctype = request.headers.get("content-type")
-    if ctype is not None:
-        mime = ctype.split(";", 1)[0].strip().lower()
-        if mime != "application/json" and not mime.endswith("+json"):
-            raise ApiError(415, f"Content-Type must be application/json, got {ctype!r}")
+    ctype = request.headers.get("content-type") or ""
+    mime = ctype.split(";", 1)[0].strip().lower()
+    if mime != "application/json" and not mime.endswith("+json"):  # a missing type too: see router/fields.py
+        raise ApiError(415, f"Content-Type must be application/json, got {ctype[:100]!r}")
     declared = request.headers.get("content-length")
     too_big = declared is not None and declared.isdigit() and int(declared) > MAX_BODY_BYTES
     body = bytearray()
@@ -102,7 +107,7 @@ def create_app(manager: TokenizerManager, server_info: dict[str, Any]) -> FastAP
 
     @app.exception_handler(ApiError)
     async def _api_error(_: Request, exc: ApiError) -> Response:
-        return _json(exc.status, exc.body())
+        return _error(exc)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_: Request, exc: StarletteHTTPException) -> Response:
@@ -113,9 +118,10 @@ def create_app(manager: TokenizerManager, server_info: dict[str, Any]) -> FastAP
         return _json(400, error_body(400, f"invalid request: {exc.errors()}"))
 
     @app.exception_handler(Exception)
-    async def _internal_error(_: Request, exc: Exception) -> Response:
-        logger.exception("unhandled error")
-        return _json(500, error_body(500, f"internal error: {type(exc).__name__}: {exc}"))
+    async def _internal_error(request: Request, exc: Exception) -> Response:
+        rid = request.headers.get("x-request-id", "")[:128]
+        logger.exception("unhandled error on %s (X-Request-Id %r)", request.url.path, rid)
+        return _json(500, error_body(500, "internal error (details are in the instance's log)"))
 
     @app.post("/generate")
     async def generate(request: Request) -> Response:
@@ -127,8 +133,9 @@ def create_app(manager: TokenizerManager, server_info: dict[str, Any]) -> FastAP
             metrics.requests.labels(status=str(e.status)).inc()
             raise
         if body.stream:
-            return StreamingResponse(
+            return CutOffStreamingResponse(
                 _sse_events(manager, state),
+                state.cut_off,
                 media_type="text/event-stream",
                 headers=SSE_HEADERS,
                 background=BackgroundTask(manager.release, state),
@@ -235,7 +242,7 @@ async def _collect_unless_disconnected(
             result = collect.result()
         except ApiError as e:
             manager.metrics.requests.labels(status=str(e.status)).inc()
-            return _json(e.status, e.body())
+            return _error(e)
         manager.metrics.requests.labels(status="200").inc()
         return _json(200, result.to_json())
     finally:

@@ -64,6 +64,13 @@ class InputProcessor:
         self._pd_mode = args.disaggregation_mode != "null"
         # decode with its prefix cache prefills a request that names no prefill itself (from that cache)
         self._bootstrap_optional = args.is_decode and args.disaggregation_decode_enable_radix_cache
+        self.max_prompt_chars = args.max_prompt_chars or 32 * info.context_length
+
+    def check_text_len(self, text: str) -> None:
+        """400 before tokenizing a prompt that cannot fit (a cheap reject for huge bodies)."""
+        if len(text) > self.max_prompt_chars:
+            raise bad_request(f"the prompt has {len(text)} characters; the limit is {self.max_prompt_chars} "
+                              "(--max-prompt-chars)")
 
     def process(self, body: GenerateRequestBody, rid: str) -> GenerateReq:
         if not rid or len(rid) > MAX_RID_LEN:
@@ -105,6 +112,7 @@ class InputProcessor:
         if body.text is not None:
             if not body.text:
                 raise bad_request("the prompt is empty")
+            self.check_text_len(body.text)
             ids: list[int] = list(self.tokenizer.encode(body.text))
         else:
             assert body.input_ids is not None

@@ -190,6 +190,7 @@ async def _serve(
     """Serve until stopped; returns why the instance must fail (its engine hung), else None."""
     import uvicorn
 
+    from common.server.conn_limits import header_timeout_protocol, raise_nofile_limit
     from common.server.http_server import create_app
     from common.server.input_processor import InputProcessor, ModelInfo
     from common.server.metrics import FrontendMetrics
@@ -217,16 +218,20 @@ async def _serve(
     app = create_app(manager, {**server_info(args, info.context_length, stats), "engine_pid": engine.pid})
     if configure_app is not None:
         configure_app(app, args)
+    nofile = raise_nofile_limit()
     config = uvicorn.Config(
         ClusterAuth(app, ClusterSecret.load(args.cluster_secret_file)),
         host=args.host,
         port=args.port,
+        http=header_timeout_protocol(args.header_timeout),
+        backlog=4096,
         log_level=args.log_level,
         access_log=args.log_level == "debug",
         timeout_graceful_shutdown=math.ceil(args.graceful_shutdown_timeout),  # uvicorn takes whole seconds
     )
     server = uvicorn.Server(config)
-    logger.info("serving %s on %s (%s mode)", args.served_model_name, args.url(), args.disaggregation_mode)
+    logger.info("serving %s on %s (%s mode; open-file limit %d)", args.served_model_name, args.url(),
+                args.disaggregation_mode, nofile)
     end_when_hung = asyncio.ensure_future(_end_when_hung(manager, engine, server))
     try:
         await server.serve()

@@ -61,6 +61,12 @@ class FrontendMetrics:
             "pdserve_generation_tokens", "tokens streamed to clients", registry=r
         )
         self.in_flight = Gauge("pdserve_frontend_in_flight_requests", "requests in the frontend", registry=r)
+        self.rejected_full = Counter(
+            "pdserve_rejected_full", "requests refused with 503 (--max-queued-requests reached)", registry=r
+        )
+        self.stream_cut_off = Counter(
+            "pdserve_stream_cut_off", "streams aborted because the client did not read", registry=r
+        )
         self.ttft = Histogram(
             "pdserve_time_to_first_token_seconds",
             "arrival to first token",

@@ -24,13 +24,15 @@ class AbortRequestBody(msgspec.Struct, forbid_unknown_fields=True):
 
 
 class ApiError(Exception):
-    """An error with its HTTP status and error type; the message is safe to show a client."""
+    """An error with its HTTP status and error type; the message is safe to show a client.
+    `retry_after` (seconds) becomes a Retry-After header (503 when the instance is full)."""
 
-    def __init__(self, status: int, message: str, err_type: str | None = None) -> None:
+    def __init__(self, status: int, message: str, err_type: str | None = None, retry_after: int | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.err_type = err_type or default_error_type(status)
+        self.retry_after = retry_after
 
     def body(self) -> dict[str, Any]:
         return error_body(self.status, self.message, self.err_type)
@@ -67,6 +69,8 @@ def decode_generate_body(raw: bytes) -> GenerateRequestBody:
         raise bad_request(f"invalid request: {text}") from None
     except msgspec.DecodeError as e:
         raise bad_request(f"request body is not valid JSON: {e}") from None
+    except RecursionError:
+        raise bad_request("request body is nested too deeply") from None
     try:
         body.check_supported()
     except ValueError as e:
@@ -79,3 +83,5 @@ def decode_abort_body(raw: bytes) -> AbortRequestBody:
         return msgspec.json.decode(raw, type=AbortRequestBody)
     except (UnicodeDecodeError, msgspec.DecodeError) as e:
         raise bad_request(f"invalid abort request: {e}") from None
+    except RecursionError:
+        raise bad_request("request body is nested too deeply") from None

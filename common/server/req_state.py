@@ -17,6 +17,7 @@ from typing import Any
 from common.server.detokenizer import RequestDetokenizer
 from common.server.io_struct import FinishReason, GenerateReq, TokenOut
 from common.server.protocol import ApiError
+from common.server.stream_cutoff import StreamCutOff
 
 
 @dataclass
@@ -135,6 +136,7 @@ class ReqState:
     engine_done: bool = False  # the engine finished it or was told to abort it
     finished: bool = False  # the client got its last chunk (or error)
     released: bool = False
+    cut_off: StreamCutOff = field(default_factory=StreamCutOff)  # a streaming client that stopped reading
 
     @property
     def rid(self) -> str:

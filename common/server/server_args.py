@@ -44,6 +44,10 @@ class ServerArgs:
     port: int = 30000
     request_timeout: float | None = None
     incremental_streaming_output: bool = False
+    header_timeout: float = 10.0  # common/server/conn_limits.py
+    max_stream_backlog: int = 1024
+    max_prompt_chars: int | None = None  # None: 32 x the context length
+    max_queued_requests: int = 256
     # Control-plane security
     cluster_secret_file: str | None = None
     allow_unauthenticated: bool = False
@@ -107,11 +111,13 @@ class ServerArgs:
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 return f"--{_flag(name)} must be one of {', '.join(allowed)}, got {getattr(self, name)!r}"
-        positive = ("page_size", "max_prefill_tokens", "max_running_requests", "engine_start_timeout")
+        positive = ("page_size", "max_prefill_tokens", "max_running_requests", "engine_start_timeout",
+                    "header_timeout", "max_stream_backlog")
         for name in positive:
             if getattr(self, name) <= 0:
                 return f"--{_flag(name)} must be > 0, got {getattr(self, name)}"
-        optional_positive = ("max_total_tokens", "context_length", "request_timeout", "cuda_graph_max_bs")
+        optional_positive = ("max_total_tokens", "context_length", "request_timeout", "cuda_graph_max_bs",
+                             "max_prompt_chars")
         for name in optional_positive:
             value = getattr(self, name)
             if value is not None and value <= 0:
@@ -134,6 +140,8 @@ class ServerArgs:
                 return f"--{_flag(name)} must be a TCP port (1..65535), got {getattr(self, name)}"
         if not 0.0 < self.mem_fraction_static < 1.0:
             return f"--mem-fraction-static must be in (0, 1), got {self.mem_fraction_static}"
+        if self.max_queued_requests < 0:
+            return f"--max-queued-requests must be >= 0, got {self.max_queued_requests}"
         if self.graceful_shutdown_timeout < 0:
             return f"--graceful-shutdown-timeout must be >= 0, got {self.graceful_shutdown_timeout}"
         if not 0 <= self.kv_events_port < 65536:
@@ -242,6 +250,12 @@ _HELP: dict[str, str] = {
     "/health and /metrics then needs it, and so does the KV bootstrap channel (CURVE)",
     "allow_unauthenticated": "serve a non-loopback --host without a cluster secret (refused otherwise)",
     "request_timeout": "seconds per request end to end at the frontend (default: off)",
+    "header_timeout": "seconds a client may take to send a request's head before its connection is closed",
+    "max_stream_backlog": "events held for a streaming client that does not read; past it the request is "
+    "aborted and the connection closed",
+    "max_prompt_chars": "longest text prompt in characters, refused before tokenizing (default: 32 x context length)",
+    "max_queued_requests": "requests held beyond --max-running-requests (waiting, decode prealloc, transfers); "
+    "past it new requests get 503 with Retry-After at once (SGLang's flag)",
     "page_size": "tokens per KV page",
     "chunked_prefill_size": "max prompt tokens per prefill chunk, page aligned (-1: off)",
     "max_prefill_tokens": "max prompt tokens in one prefill batch",

@@ -13,6 +13,12 @@ TokenizerManager owns rid -> ReqState for every request between `start` and
     _refresh_loop:  asks the engine for stats every STATS_REFRESH_S (answered
                     between steps), so /health never waits on the engine
 
+Bounds: at most --max-running-requests + --max-queued-requests requests in the table
+(beyond: 503 with Retry-After at once; every request reaches the engine through here, so
+this also bounds the scheduler's waiting queue, decode's prealloc and transfer queues);
+a streaming request whose client stopped reading is aborted and its connection cut once
+--max-stream-backlog outputs wait for it. Long prompts are tokenized in a thread.
+
 A request is released exactly once: when its stream ends, fails, times out, or
 its consumer goes away. Releasing a request the engine has not finished sends
 AbortReq, so a client disconnect or a stop-string match frees the engine's slot.
@@ -26,10 +32,19 @@ import itertools
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 
 from common.server.detokenizer import RequestDetokenizer
 from common.server.input_processor import InputProcessor
-from common.server.io_struct import AbortReq, BatchTokenOut, FinishReason, StatsReq, StatsResp, TokenOut
+from common.server.io_struct import (
+    AbortReq,
+    BatchTokenOut,
+    FinishReason,
+    GenerateReq,
+    StatsReq,
+    StatsResp,
+    TokenOut,
+)
 from common.server.ipc import READY_SEQ, FrontendChannel, IpcSendTimeout
 from common.server.liveness import IDLE_SNAPSHOT, StepClock, StepSnapshot, hung_reason
 from common.server.metrics import FrontendMetrics
@@ -43,6 +58,8 @@ logger = logging.getLogger(__name__)
 WATCHDOG_PERIOD_S = 0.25
 STATS_REFRESH_S = 1.0
 SEND_TIMEOUT_S = 5.0
+OFFLOAD_CHARS = 8192  # text prompts longer than this are tokenized off the event loop
+FULL_RETRY_AFTER_S = 1
 
 DeadReason = Callable[[], "str | None"]  # None while the engine process lives
 
@@ -72,6 +89,9 @@ class TokenizerManager:
         self._seq = itertools.count(1)
         self._refresh_seq: int | None = None  # the background stats probe not yet answered
         self._tasks: list[asyncio.Task[None]] = []
+        self.max_in_flight = args.max_running_requests + args.max_queued_requests
+        self._tokenize_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
+        self._tokenizing = 0  # requests waiting for the tokenizer thread count against the bound too
 
     # Lifecycle
 
@@ -86,6 +106,7 @@ class TokenizerManager:
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._tokenize_pool.shutdown(wait=False, cancel_futures=True)
         self.channel.close()
 
     @property
@@ -97,9 +118,17 @@ class TokenizerManager:
     async def start(self, body: GenerateRequestBody, rid: str) -> ReqState:
         """Validate, register and send one request; ApiError(4xx/503) if it cannot start."""
         self._check_engine()
+        held = len(self._states) + self._tokenizing
+        if held >= self.max_in_flight:
+            self.metrics.rejected_full.inc()
+            raise ApiError(503, f"the instance is full ({held} requests in flight: "
+                                f"--max-running-requests + --max-queued-requests); retry later",
+                           "unavailable", retry_after=FULL_RETRY_AFTER_S)
         if rid in self._states:
             raise bad_request(f"a request with rid {rid!r} is already in flight")
-        req = self.processor.process(body, rid)
+        req = await self._process(body, rid)
+        if rid in self._states:  # taken while the prompt was tokenized in a thread
+            raise bad_request(f"a request with rid {rid!r} is already in flight")
         detok = None
         if not self.args.is_prefill:
             params = req.sampling_params
@@ -128,6 +157,26 @@ class TokenizerManager:
             raise ApiError(503, f"the engine is not taking requests: {e}") from None
         self.metrics.prompt_tokens.inc(len(req.input_ids))
         return state
+
+    async def _process(self, body: GenerateRequestBody, rid: str) -> GenerateReq:
+        if body.text is None or len(body.text) <= OFFLOAD_CHARS:
+            return self.processor.process(body, rid)
+        self.processor.check_text_len(body.text)
+        loop = asyncio.get_running_loop()
+        self._tokenizing += 1
+        try:
+            return await loop.run_in_executor(self._tokenize_pool, self.processor.process, body, rid)
+        finally:
+            self._tokenizing -= 1
+
+    def _cut_off(self, state: ReqState) -> None:
+        """The client has not read its stream while max_stream_backlog outputs piled up."""
+        logger.warning("rid=%s: the client is not reading its stream (%d outputs waiting); aborting it",
+                       state.rid, state.queue.qsize())
+        self.metrics.stream_cut_off.inc()
+        state.finished = True
+        self.release(state, "the client is not reading its stream")
+        state.cut_off.cut()
 
     async def stream(self, state: ReqState) -> AsyncIterator[Chunk]:
         """The request's chunks until it finishes; raises ApiError on engine error or timeout."""
@@ -258,6 +307,8 @@ class TokenizerManager:
                     state = self._states.get(out.rid)
                     if state is not None and not state.finished:
                         state.queue.put_nowait(out)
+                        if state.queue.qsize() > self.args.max_stream_backlog:
+                            self._cut_off(state)
             elif isinstance(reply, StatsResp) and reply.seq != READY_SEQ:
                 self.engine_problem = reply.unhealthy
                 self.metrics.engine.up = True

@@ -23,12 +23,15 @@ REPO = HERE.parents[1]
 
 
 class Proc:
-    def __init__(self, argv: list[str], url: str, name: str) -> None:
+    def __init__(self, argv: list[str], url: str, name: str, env: dict[str, str] | None = None,
+                 preexec_fn: Any = None) -> None:
         self.url = url
         self.name = name
         self.log = tempfile.NamedTemporaryFile(prefix=f"{name}-", suffix=".log", delete=False)
-        env = dict(os.environ, PYTHONPATH=f"{REPO}{os.pathsep}{HERE}", TOKENIZERS_PARALLELISM="false")
-        self.popen = subprocess.Popen(argv, stdout=self.log, stderr=subprocess.STDOUT, env=env, cwd=REPO)
+        full_env = dict(os.environ, PYTHONPATH=f"{REPO}{os.pathsep}{HERE}", TOKENIZERS_PARALLELISM="false",
+                        **(env or {}))
+        self.popen = subprocess.Popen(argv, stdout=self.log, stderr=subprocess.STDOUT, env=full_env, cwd=REPO,
+                                      preexec_fn=preexec_fn)
 
     def wait_http(self, path: str, timeout: float = 60.0, status: int | None = None) -> None:
         deadline = time.monotonic() + timeout
@@ -95,24 +98,30 @@ class StubWorker(Proc):
         httpx.post(self.url + "/stub/reset", timeout=5).raise_for_status()
 
 
+ADMIN_KEY = "test-admin-key"  # every RouterProc has worker admin on, with this key
+ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}
+
+
 class RouterProc(Proc):
-    def __init__(self, model_dir: str | Path, args: list[str], port: int | None = None, *, wait: bool = True
+    def __init__(self, model_dir: str | Path, args: list[str], port: int | None = None, *, wait: bool = True,
+                 admin_key: str | None = ADMIN_KEY, env: dict[str, str] | None = None, preexec_fn: Any = None
                  ) -> None:
         self.port = port or free_port()
+        admin = ["--admin-api-key", admin_key] if admin_key else []
         argv = [sys.executable, "-m", "router", "--model-path", str(model_dir), "--port", str(self.port),
-                "--log-level", "warning", *args]
-        super().__init__(argv, f"http://127.0.0.1:{self.port}", f"router-{self.port}")
+                "--log-level", "warning", *admin, *args]
+        super().__init__(argv, f"http://127.0.0.1:{self.port}", f"router-{self.port}", env, preexec_fn)
         if wait:
             self.wait_up()
 
     def wait_up(self) -> None:
-        self.wait_http("/workers")
+        self.wait_http("/metrics")
 
     def wait_ready(self, timeout: float = 20.0) -> None:
         self.wait_http("/health", timeout=timeout, status=200)
 
     def workers(self) -> dict[str, dict[str, Any]]:
-        r = httpx.get(self.url + "/workers", timeout=5)
+        r = httpx.get(self.url + "/workers", timeout=5, headers=ADMIN)
         r.raise_for_status()
         return {w["url"]: w for w in r.json()["workers"]}
 

@@ -11,7 +11,7 @@ import httpx
 import openai
 import pytest
 from conftest import Cluster
-from router_procs import RouterProc, pd_args
+from router_procs import ADMIN, RouterProc, pd_args
 
 COMP = {"prompt": [5, 6, 7], "max_tokens": 3}
 
@@ -77,16 +77,16 @@ def test_worker_death_retry_all_down_and_runtime_add(cluster: Cluster) -> None:
         client.completions.create(model=str(cluster.model), prompt="hi", max_tokens=1)
 
     # A worker added at runtime takes traffic and makes the router ready again.
-    added = httpx.post(r.url + "/workers", json={"url": d3.url, "role": "decode"}).json()
+    added = httpx.post(r.url + "/workers", json={"url": d3.url, "role": "decode"}, headers=ADMIN).json()
     assert added["healthy"] is True
-    assert httpx.post(r.url + "/workers", json={"url": d3.url, "role": "decode"}).status_code == 409
+    assert httpx.post(r.url + "/workers", json={"url": d3.url, "role": "decode"}, headers=ADMIN).status_code == 409
     assert d3.stats()["generate"] == 1  # the bootstrap round trip re-verified the pair
     d3.reset()
     assert all(post(r, COMP).status_code == 200 for _ in range(3))
     assert d3.stats()["generate"] == 3
     wait_for(lambda: httpx.get(r.url + "/health").status_code == 200, 5, "ready again")
     # Removing it: no decode left again.
-    assert httpx.delete(r.url + "/workers", params={"url": d3.url}).status_code == 200
+    assert httpx.delete(r.url + "/workers", params={"url": d3.url}, headers=ADMIN).status_code == 200
     assert post(r, COMP).status_code == 503
     assert d3.stats()["generate"] == 3
 
@@ -107,10 +107,13 @@ def test_prefill_failure_before_first_token_is_an_error(cluster: Cluster) -> Non
 
     t0 = time.monotonic()
     resp = post(r, COMP)
-    assert resp.status_code == 500 and "stub failure 500" in resp.json()["error"]["message"]
+    # a worker's 5xx text (and address) goes to the router's log, not to the client
+    assert resp.status_code == 500 and resp.json()["error"]["message"] == "a worker failed to serve the request " \
+        "(internal_error)"
+    assert "stub failure 500" in r.output()
     assert time.monotonic() - t0 < 3.0  # did not wait for decode's first token (5 s)
     status, body = sse_events(r, COMP)
-    assert status == 500 and "stub failure" in body[0]  # streaming too: an HTTP error, not an empty 200
+    assert status == 500 and "a worker failed" in body[0]  # streaming too: an HTTP error, not an empty 200
     rids = [rid for rid in p.stats()["rids"] if not rid.startswith("health-")]
     assert len(rids) == 4 and len(rids) == len(set(rids))  # 2 requests x 2 attempts
     # Decode got those it received before prefill failed (some are cancelled before sending) closed on it.
@@ -153,9 +156,10 @@ def test_decode_failures(cluster: Cluster) -> None:
     status, events = sse_events(r, {"prompt": [1, 2], "max_tokens": 5})
     assert status == 200
     assert len(events) == 4 and events[-1] == "[DONE]"
-    assert "stub in-band failure" in json.loads(events[2])["error"]["message"]
+    assert json.loads(events[2])["error"]["type"] == "kv_transfer_failed"
+    assert "stub in-band failure" in r.output()
     # Non-streaming: nothing was sent yet, so the failure is retried on another decode worker.
-    httpx.post(r.url + "/workers", json={"url": d_ok.url, "role": "decode"}).raise_for_status()
+    httpx.post(r.url + "/workers", json={"url": d_ok.url, "role": "decode"}, headers=ADMIN).raise_for_status()
     d_bad.control(die_after_tokens=1, error_after_tokens=None)
     codes = [post(r, {"prompt": [1, 2], "max_tokens": 3, "stream": False}).status_code for _ in range(4)]
     assert codes == [200] * 4

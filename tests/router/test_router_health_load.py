@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from router_procs import RouterProc
+from router_procs import ADMIN, RouterProc
 
 from tests.pd.pd_procs import start_pair
 
@@ -53,7 +53,7 @@ async def run_load(router: RouterProc, prefill_url: str) -> tuple[list[httpx.Res
         tasks = [asyncio.ensure_future(client.post(router.url + "/v1/chat/completions", json=body))
                  for body in chats()]
         while not all(t.done() for t in tasks):
-            workers = (await client.get(router.url + "/workers")).json()["workers"]
+            workers = (await client.get(router.url + "/workers", headers=ADMIN)).json()["workers"]
             most = max([most, *(w["in_flight_requests"] for w in workers if w["url"] == prefill_url)])
             await asyncio.wait(tasks, timeout=0.2)
         return [t.result() for t in tasks], most

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import httpx
 import openai
 import pytest
-from router_procs import RouterProc, StubWorker
+from router_procs import ADMIN, RouterProc, StubWorker
 from stub_worker import token_at, token_text
 
 from router.model_info import load_tokenizer
@@ -28,8 +29,9 @@ def expected(ids: list[int], n: int) -> str:
 
 
 def test_models(client: openai.OpenAI, tiny_model: object) -> None:
-    models = client.models.list().data
-    assert [m.id for m in models] == [str(tiny_model)]
+    models = client.models.list().data  # the directory's name: no filesystem path goes to clients
+    assert [m.id for m in models] == [Path(str(tiny_model)).name]
+    assert str(tiny_model) not in httpx.get(str(client.base_url) + "models").text
 
 
 def test_completion_non_streaming(client: openai.OpenAI, tiny_model: object,
@@ -113,7 +115,10 @@ def test_request_id_header_round_trip(pd: tuple[RouterProc, StubWorker, StubWork
     resp = httpx.post(r.url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 1},
                       headers={"X-Request-Id": "my-req-42"})
     assert resp.status_code == 200 and resp.headers["x-request-id"] == "my-req-42"
-    assert p.stats()["rids"][-1] == d.stats()["rids"][-1] == "my-req-42"
+    assert resp.json()["id"] == "cmpl-my-req-42"
+    # workers see the router's own id: the client's is only a label (a reused one collides with nobody)
+    assert p.stats()["rids"][-1] == d.stats()["rids"][-1] != "my-req-42"
+    assert len(d.stats()["rids"][-1]) == 32
     resp = httpx.post(r.url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 1})
     assert len(resp.headers["x-request-id"]) == 32
 
@@ -150,6 +155,6 @@ def test_health_models_metrics(pd: tuple[RouterProc, StubWorker, StubWorker]) ->
                  "router_e2e_seconds_bucket", "router_worker_inflight_requests", "router_worker_breaker_state"):
         assert name in text, name
     assert 'router_requests_total{route="/v1/completions",status="200"}' in text
-    workers = httpx.get(r.url + "/workers").json()
+    workers = httpx.get(r.url + "/workers", headers=ADMIN).json()
     assert workers["ready"] and {w["role"] for w in workers["workers"]} == {"prefill", "decode"}
     assert all(w["in_flight_requests"] == 0 and w["breaker"] == "closed" for w in workers["workers"])
