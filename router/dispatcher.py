@@ -193,6 +193,7 @@ class Dispatcher:
                     if not migration.allows(e, decode.url):
                         raise
                     migration.next_plan()
+                    last_error = e  # no pair left to migrate to: the client hears this, the cause
                     self.metrics.migrations.labels(e.type).inc()
                     logger.warning("rid=%s decode %s failed after %d tokens (%s): migrating (%d of %d)", rid,
                                    decode.url, len(migration.generated), e.message, migration.count,
