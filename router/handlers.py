@@ -101,6 +101,7 @@ class GenerationHandler:
         if rid is not None and not safe_rid(rid):
             rid = None
         try:
+            self.router.admission.check_full()
             body = decode_json_object(await read_body(request, self.max_body), request.headers.get("content-type"))
             if api == "completion":
                 plan = self.parser.completion(body)
