@@ -57,13 +57,18 @@ class Admission:
         tokens = len(plan.input_ids) + plan.max_new_tokens
         return not decodes or any(has_room(d, tokens) for d in decodes)
 
-    async def admit(self, plan: GenerationPlan) -> None:
-        if not self._waiters and self.room(plan):
-            return
+    def check_full(self) -> None:
+        """503 at once if the queue is full (a new request would have to wait behind it): the
+        handler calls this before it reads the body, so overload costs little router CPU."""
         if len(self._waiters) >= self.cfg.max_queued_requests:
             self.metrics.queue_rejected.labels("full").inc()
             raise self._busy(f"the router's queue is full ({self.cfg.max_queued_requests} requests wait for a "
                              f"decode with room)", "queue_full")
+
+    async def admit(self, plan: GenerationPlan) -> None:
+        if not self._waiters and self.room(plan):
+            return
+        self.check_full()
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._waiters.append(fut)
         try:

@@ -139,6 +139,7 @@ class GenerationHandler:
         if label is not None and not safe_rid(label):
             label = None
         try:
+            self.router.admission.check_full()
             raw = await read_body(request, self.max_body)
             ctype = request.headers.get("content-type")
             session = request.headers.get("x-session-id")

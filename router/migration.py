@@ -3,7 +3,7 @@
     Migration(plan, max_migrations)
       record(ev)        every event handed to the client: its output ids are kept
       allows(err)       decode failed after the first byte: retryable, blamed on decode,
-                        budget left, tokens still to generate
+                        budget left, tokens still to generate, no stop strings
       next_plan()       prompt + tokens already sent, max_new_tokens reduced by them
       adapt(ev)         events of a migrated attempt, rewritten as the client's one request:
                         prompt_tokens and completion_tokens count from the original prompt
@@ -16,8 +16,9 @@ A seeded sampler continues from the same position: its noise is a function of (s
 from 0, so the migrated request carries seed + k * C^-1 (mod 2^64) and its step j draws the
 noise of step k + j; with the same logits it samples the same tokens. Not kept across a
 migration: frequency/presence penalties over the tokens before the cut (they become prompt),
-a stop string that spans the cut, and text a worker held back at the cut (an incomplete
-UTF-8 character or a possible stop-string start).
+and text a worker held back at the cut for an incomplete UTF-8 character. A request with stop
+strings is never migrated (a worker holds back any tail that could start one, and a stop
+string could span the cut: its text could silently lose characters); it gets the error.
 """
 
 from __future__ import annotations
@@ -64,7 +65,8 @@ class Migration:
 
     def allows(self, err: UpstreamError, decode_url: str) -> bool:
         return (self.count < self.budget and self.origin.worker_stream and err.retryable
-                and err.worker_url == decode_url and len(self.generated) < self.origin.max_new_tokens)
+                and err.worker_url == decode_url and len(self.generated) < self.origin.max_new_tokens
+                and not self.origin.sampling_params.get("stop"))
 
     def next_plan(self) -> GenerationPlan:
         """The plan of the next attempt; call only when `allows` said yes."""

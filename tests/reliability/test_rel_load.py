@@ -28,8 +28,10 @@ BURST_NEW = 200  # the burst: 8 short prompts growing to ~220 tokens each on the
 
 @pytest.fixture(scope="module")
 def load_router(cluster: Cluster) -> Iterator[Router]:
+    # no load reports: the router must not steer around a full d_small (the burst below exists
+    # to make it retract), so it routes by its own in-flight counts as before admission existed
     r = Router(cluster.model_dir, [cluster.p_fast], [cluster.d_small, cluster.d_big],
-               "--decode-policy", "round_robin")
+               "--decode-policy", "round_robin", "--load-report-interval", "0")
     try:
         r.wait_ready()
         yield r

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 
 from tests.reliability.client import RouterBatch, RouterOutcome
@@ -102,6 +103,13 @@ def test_kill_decode_migrates_every_stream(pd: PD) -> None:
     undisturbed = RouterBatch(pd.r1.url, [(pr, MAX_NEW) for pr in _prompts()], sampling=SAMPLING).wait()
     for o in undisturbed:
         assert o.error is None and len(o.output_ids) == MAX_NEW and o.finish_reason == "length", o
+    # the load reports the router reads: real counters from every engine
+    p_load = httpx.get(pd.p.url + "/get_load", timeout=10).json()
+    assert p_load["prompt_tokens_total"] >= 32 and p_load["step_seconds_total"] > 0, p_load  # prefix hits not counted
+    for d in pd.decodes:
+        d_load = httpx.get(d.url + "/get_load", timeout=10).json()
+        assert d_load["max_running_requests"] > 0 and 0 < d_load["kv_free_tokens"] <= d_load["kv_total_tokens"]
+        assert pd.r1.workers()[d.url]["load_report"] is not None
     out, _ = _run_and_kill(pd, pd.r1)
     for o, ref in zip(out, undisturbed, strict=True):
         assert o.error is None, o.error

@@ -68,6 +68,14 @@ def test_migration_continues_the_stream(cluster: Cluster) -> None:
     assert "error" in json.loads(events[-2]) and events[-1] == "[DONE]"
     assert sum(len(json.loads(e)["choices"]) for e in events[:-2]) == 3
 
+    # Stop strings: never migrated (text held back at the cut could be lost), the error ends it.
+    d1.control(error_after_tokens=3)
+    d2.control(error_after_tokens=3)
+    events = stream(r1, {"prompt": PROMPT, "max_tokens": 8, "stop": ["never-matches"]})
+    assert "error" in json.loads(events[-2]) and events[-1] == "[DONE]"
+    assert sum(len(json.loads(e)["choices"]) for e in events[:-2]) == 3
+    d2.control(error_after_tokens=None)
+
     # A decode that dies mid-stream (connection lost) is migrated too.
     d1.control(error_after_tokens=None, die_after_tokens=2)
     events = stream(r1, {"prompt": PROMPT, "max_tokens": 8})
