@@ -99,6 +99,9 @@ def fake_agent() -> nixl_agent:
 def dealer(port: int, secret: bytes | None) -> zmq.Socket:
     sock = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
+    # a DEALER whose only connection failed its handshake has no peer, and a send then blocks for
+    # ever: every send is bounded (zmq.Again)
+    sock.setsockopt(zmq.SNDTIMEO, 5000)
     if secret is not None:
         keys = ClusterSecret(secret).curve()
         sock.curve_secretkey, sock.curve_publickey, sock.curve_serverkey = (
@@ -188,9 +191,9 @@ def test_strangers_reach_nothing_on_the_bootstrap_port(prefill: Worker, real_dec
     real_decode.transfer(prefill)
     rss = psutil.Process(prefill.proc.pid).memory_info().rss
     sock = dealer(prefill.port, None)
-    sock.send(encode(InfoQuery()))
-    sock.send(encode(register_msg(fake_agent, real_decode.mgr.agent_name, b"guess")))
-    with contextlib.suppress(zmq.Again):  # never connected: its queue fills and stays local
+    with contextlib.suppress(zmq.Again):  # never connected: its queue fills and stays local, or it has no peer
+        sock.send(encode(InfoQuery()))
+        sock.send(encode(register_msg(fake_agent, real_decode.mgr.agent_name, b"guess")))
         for room in range(FLOOD_REQUESTS):
             sock.send(encode(TransferRequest(room, list(range(FLOOD_PAGES)), 0)), flags=zmq.NOBLOCK)
     assert recv_one(sock, 2.0) is None, "prefill answered a client without the secret"
