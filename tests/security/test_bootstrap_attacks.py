@@ -8,8 +8,6 @@ from __future__ import annotations
 import contextlib
 import os
 import secrets
-import socket
-import threading
 import time
 from collections.abc import Iterator
 
@@ -36,6 +34,7 @@ from kv_transfer.messages import (
 from kv_transfer.side import layout_to_wire
 from tests.kv_transfer.conftest import PageAlloc
 from tests.kv_transfer.harness import Driver, PoolSpec, Worker, make_manager, make_pool, page_bytes
+from tests.security.byte_capture import ByteCapture
 
 SECRET = secrets.token_hex(32).encode()
 SPEC = PoolSpec()
@@ -124,8 +123,7 @@ def recv_one(sock: zmq.Socket, timeout_s: float) -> object | None:
 def test_decode_tells_an_unproven_prefill_nothing(real_decode: RealDecode) -> None:
     """Item 3: decode connects to whatever bootstrap_host a request names. Without the secret
     it sent that host Register (NIXL metadata, KV base addresses); now nothing leaves it."""
-    listener = socket.create_server(("127.0.0.1", 0))
-    listener.settimeout(5.0)
+    listener = ByteCapture(accept_timeout_s=5.0, window_s=3.0)
     plain = zmq.Context.instance().socket(zmq.ROUTER)
     plain.setsockopt(zmq.LINGER, 0)
     plain_port = plain.bind_to_random_port("tcp://127.0.0.1")
@@ -134,27 +132,9 @@ def test_decode_tells_an_unproven_prefill_nothing(real_decode: RealDecode) -> No
     wrong.curve_server = True
     wrong.curve_publickey, wrong.curve_secretkey = zmq.curve_keypair()
     wrong_port = wrong.bind_to_random_port("tcp://127.0.0.1")
-    captured = bytearray()
-
-    def capture() -> None:
-        conn, _ = listener.accept()
-        conn.settimeout(0.5)
-        end = time.monotonic() + 3.0
-        while time.monotonic() < end:
-            try:
-                data = conn.recv(65536)
-            except TimeoutError:
-                continue
-            if not data:
-                break
-            captured.extend(data)
-        conn.close()
-
-    t = threading.Thread(target=capture, daemon=True)
-    t.start()
     d = real_decode
     rooms = {}
-    for port in (listener.getsockname()[1], plain_port, wrong_port):
+    for port in (listener.port, plain_port, wrong_port):
         room, slot = secrets.randbits(63), d.slots.alloc()
         d.driver.op_room(room, host="127.0.0.1", port=port, dst=d.pages.take(2), aux_slot=slot)
         rooms[room] = port
@@ -163,7 +143,7 @@ def test_decode_tells_an_unproven_prefill_nothing(real_decode: RealDecode) -> No
     for room in rooms:
         assert d.driver.state(room) == KVPoll.Failed
         assert d.driver.plans[room].handle.failure_cause.value == "handshake"
-    t.join(10)
+    captured = listener.join(10)
     assert plain.poll(0) == 0 and wrong.poll(0) == 0, "a fake prefill received a message"
     assert d.mgr.agent_name.encode() not in captured and len(captured) < 1024, bytes(captured[:200])
     plain.close()

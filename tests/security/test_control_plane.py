@@ -11,8 +11,6 @@ import secrets
 import socket
 import subprocess
 import sys
-import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -24,6 +22,7 @@ import zmq
 from common.cluster_secret import ENV_VAR, ClusterSecret, ClusterSecretError, require_safe_bind
 from tests.pd.pd_procs import REPO_ROOT, PDPair, start_pair
 from tests.router.router_procs import RouterProc
+from tests.security.byte_capture import ByteCapture
 
 HANDSHAKE_S = 3.0
 
@@ -94,36 +93,17 @@ def test_decode_tells_a_fake_prefill_nothing(pair: PDPair, router: RouterProc, s
     """Item 3: a request naming a fake prefill as bootstrap_host got decode's NIXL metadata and
     KV base addresses. Now decode's CURVE handshake fails against it: not a byte of Register
     leaves, the request fails with an error, and the service keeps serving."""
-    listener = socket.create_server(("127.0.0.1", 0))
-    listener.settimeout(HANDSHAKE_S + 10)
-    captured = bytearray()
-
-    def capture() -> None:
-        conn, _ = listener.accept()
-        conn.settimeout(0.5)
-        end = time.monotonic() + HANDSHAKE_S + 1
-        while time.monotonic() < end:
-            try:
-                data = conn.recv(65536)
-            except TimeoutError:
-                continue
-            if not data:
-                break
-            captured.extend(data)
-        conn.close()
-
+    listener = ByteCapture(accept_timeout_s=HANDSHAKE_S + 10, window_s=HANDSHAKE_S + 1)
     fake = zmq.Context.instance().socket(zmq.ROUTER)
     fake.setsockopt(zmq.LINGER, 0)
     fake_port = fake.bind_to_random_port("tcp://127.0.0.1")
-    t = threading.Thread(target=capture, daemon=True)
-    t.start()
     try:
-        for port in (listener.getsockname()[1], fake_port):
+        for port in (listener.port, fake_port):
             body = {**pair.body([1, 2, 3, 4, 5], 2, stream=False), "bootstrap_port": port}
             r = httpx.post(pair.decode.url + "/generate", json=body, headers=bearer(secret_file),
                            timeout=HANDSHAKE_S + 60)
             assert r.status_code >= 400 and "handshake" in r.text, r.text
-        t.join(HANDSHAKE_S + 10)
+        captured = listener.join(HANDSHAKE_S + 10)
         assert fake.poll(0) == 0, "the fake prefill received a message"
         assert b"decode-" not in captured and len(captured) < 1024, bytes(captured[:200])
     finally:
