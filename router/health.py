@@ -32,6 +32,7 @@ from router.config import RouterConfig
 from router.health_state import ProbeOutcome
 from router.kv_index import KVIndexes
 from router.metrics import RouterMetrics
+from router.periodic import Periodic
 from router.plan import Bootstrap, GenerationPlan
 from router.registry import WorkerRegistry
 from router.worker import CacheInfo, Worker
@@ -52,7 +53,7 @@ class HealthChecker:
         self.pd_verified = not cfg.disaggregated
         self.last_probe_error: str | None = None
         self._client: httpx.AsyncClient | None = None
-        self._task: asyncio.Task[None] | None = None
+        self._rounds = Periodic("health", cfg.health.interval_s, self.check_all)
 
     @property
     def ready(self) -> bool:
@@ -61,22 +62,12 @@ class HealthChecker:
     def start(self) -> None:
         self._client = httpx.AsyncClient(timeout=self.cfg.health.probe_timeout_s, trust_env=False,
                                          headers=self.worker_headers, limits=httpx.Limits(max_keepalive_connections=64))
-        self._task = asyncio.ensure_future(self._loop())
+        self._rounds.start()
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+        await self._rounds.stop()
         if self._client is not None:
             await self._client.aclose()
-
-    async def _loop(self) -> None:
-        while True:
-            try:
-                await self.check_all()
-            except Exception:
-                logger.exception("health round failed")
-            await asyncio.sleep(self.cfg.health.interval_s)
 
     async def check_all(self) -> None:
         workers = self.registry.all()

@@ -22,6 +22,7 @@ import httpx
 import msgspec
 
 from common.server.generate_response import LoadReport
+from router.periodic import Periodic
 from router.registry import WorkerRegistry
 from router.worker import Worker
 
@@ -39,26 +40,16 @@ class LoadMonitor:
         self.on_round = on_round
         self.unsupported: set[str] = set()
         self._client: httpx.AsyncClient | None = None
-        self._task: asyncio.Task[None] | None = None
+        self._rounds = Periodic("load report", interval_s, self.poll_all)
 
     def start(self) -> None:
         self._client = httpx.AsyncClient(timeout=self.timeout_s, trust_env=False, headers=self.worker_headers)
-        self._task = asyncio.ensure_future(self._loop())
+        self._rounds.start()
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+        await self._rounds.stop()
         if self._client is not None:
             await self._client.aclose()
-
-    async def _loop(self) -> None:
-        while True:
-            try:
-                await self.poll_all()
-            except Exception:
-                logger.exception("load report round failed")
-            await asyncio.sleep(self.interval_s)
 
     async def poll_all(self) -> None:
         workers = [w for w in self.registry.all() if w.health.healthy and w.url not in self.unsupported]
