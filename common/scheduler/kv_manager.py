@@ -45,8 +45,9 @@ class ReqKVManager:
         # there, and in PD decode a NIXL write from prefill does not queue behind it.
         self.defer_frees = defer_frees
         self.deferred_pages: list[int] = []
-        # With defer_frees, a release that hands pages to the radix cache waits too: once in the
-        # tree they are evictable, and an eviction frees them at once.
+        # With defer_frees, a release that hands pages to the radix cache inserts them at once but
+        # keeps them locked until free_deferred: unlocked they are evictable, and an eviction
+        # frees them at once.
         self.deferred_releases: list[Req] = []
 
     # ---- capacity -------------------------------------------------------------------------
@@ -140,6 +141,10 @@ class ReqKVManager:
         if req not in self.live:
             return
         if self.defer_frees and keep_in_cache and not self.radix.disable:
+            # Into the tree now, still locked by req (nothing can evict them while a step in
+            # flight may write there): the cache event goes out before req's last tokens, so a
+            # client's next turn finds this prefix in the router's index.
+            self.cache_prefix(req)
             if req not in self.deferred_releases:
                 self.deferred_releases.append(req)
             return
@@ -158,7 +163,9 @@ class ReqKVManager:
             self._free_own(req.kv_slots[own_start:])
         self.radix.dec_lock_ref(req.last_node)
         if req.req_pool_idx is not None:
-            self.req_pool.free(req.req_pool_idx)
+            row = req.req_pool_idx
+            self.pending_writes = [w for w in self.pending_writes if w.row != row]
+            self.req_pool.free(row)
         req.req_pool_idx = None
         req.last_node = None
         req.kv_slots = []

@@ -348,6 +348,51 @@ def test_decode_prefix_cache_serves_a_second_turn_with_only_its_new_pages(overla
     d.scheduler.kv.check_integrity()
 
 
+@pytest.mark.parametrize("overlap", [True, False])
+def test_decode_caches_a_finished_turn_before_its_last_tokens_leave(overlap: bool) -> None:
+    """The client's next turn can follow the last token at once: by then the finished request's
+    pages must be in the tree (and so in the KV events that go out before the tokens), even
+    while the overlap loop still defers their release behind the step in flight."""
+    d = make_decode(overlap=overlap, radix=True)
+    prompt = prompt_of(22)
+    held_at_final: list[int] = []
+    collect = d.collect
+
+    def on_output(items: list[TokenOut]) -> None:
+        if any(o.rid == "t1" and o.finish_reason is not None for o in items):
+            held_at_final.append(d.scheduler.kv.radix.cached_pages)
+        collect(items)
+
+    d.scheduler.output = on_output
+    answer = d.serve_transferred("t1", prompt, 8, room=1, iterations=20)
+    assert answer == reference_generate(prompt, 8, VOCAB)
+    assert held_at_final == [(22 + 8 - 1) // PS]
+    assert d.pages_in_use == 0
+    d.scheduler.kv.check_integrity()
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_decode_twin_turns_finishing_together_leave_no_stale_row_writes(overlap: bool) -> None:
+    """Two identical conversations finish in one step: the second one's insert finds the first's
+    pages in the tree and queues a row rewrite; its row is freed before that write is applied,
+    and the next request that gets the row must not inherit it."""
+    d = make_decode(overlap=overlap, radix=True)
+    twin = prompt_of(22)
+    for rid, room in (("a", 1), ("b", 2)):
+        d.scheduler.add_request(request(rid, twin, 8, room=room))
+    d.iterate()
+    for rid in ("a", "b"):
+        d.transfer.receivers[rid].complete(twin, reference_generate(twin, 1, VOCAB)[0])
+    d.iterate(20)
+    assert d.tokens("a") == d.tokens("b") == reference_generate(twin, 8, VOCAB)
+    live_rows = {r.req_pool_idx for r in d.scheduler.kv.live}
+    assert all(w.row in live_rows for w in d.scheduler.kv.pending_writes)
+    other = prompt_of(30, seed=5)
+    assert d.serve_transferred("c", other, 8, room=3, iterations=20) == reference_generate(other, 8, VOCAB)
+    assert d.pages_in_use == 0
+    d.scheduler.kv.check_integrity()
+
+
 def test_decode_prefix_cache_keeps_failed_transfers_out_of_the_tree() -> None:
     d = make_decode(radix=True)
     d.scheduler.add_request(request("a", prompt_of(20), 8))
