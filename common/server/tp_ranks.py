@@ -1,0 +1,125 @@
+"""The extra processes of a tensor-parallel instance (--tp-size N > 1), as rank 0 sees them.
+
+    engine process = rank 0 (scheduler, ZMQ to the frontend, its shard of the model)
+      └─ TPRanks.start(): ranks 1..N-1, each tp_rank_process.tp_rank_main in a spawned process
+    all N join one torch.distributed group (gloo on CPU, NCCL on CUDA; init through a file
+    store next to the instance's ipc files), load their shard, meet at a barrier, then serve.
+
+Rank r runs on cuda:(base_gpu_id + r). A rank that dies takes the instance down: rank 0 sees
+it (dead_reason, or a collective that raises) and exits, which fails the frontend's /health;
+the other ranks exit when rank 0 is gone (their collectives raise, or their parent is gone).
+TP 1 never comes here: no extra process, no torch.distributed.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import os
+import secrets
+import signal
+import tempfile
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+
+from common.model.tensor_parallel import TPGroup
+from common.scheduler.tp_worker import StepFanout, TPStop
+from common.server.server_args import ServerArgs
+
+logger = logging.getLogger(__name__)
+
+STOP_TIMEOUT_S = 10.0
+
+
+@dataclass(frozen=True)
+class TPAddrs:
+    """Where the ranks of one instance meet: the distributed init file and each rank's step inbox."""
+
+    dist_init: str  # file:// init_method of torch.distributed
+    steps: tuple[str, ...]  # ipc:// inbox of ranks 1..N-1
+
+    @classmethod
+    def new(cls, size: int) -> TPAddrs:
+        stem = os.path.join(tempfile.gettempdir(), f"pdserve_tp_{os.getpid()}_{secrets.token_hex(4)}")
+        return cls(dist_init=f"file://{stem}_dist", steps=tuple(f"ipc://{stem}_rank{r}" for r in range(1, size)))
+
+    def remove_files(self) -> None:
+        for path in (self.dist_init.removeprefix("file://"), *(a.removeprefix("ipc://") for a in self.steps)):
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
+
+
+def set_rank_threads(device: torch.device, size: int) -> None:
+    """CPU: the ranks share the cores; each gets its part (at least one thread)."""
+    if device.type == "cpu":
+        torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // size))
+
+
+def init_tp_group(rank: int, size: int, addrs: TPAddrs, device: torch.device, timeout_s: float) -> TPGroup:
+    """Join the instance's group. NCCL carries activations on CUDA; gloo carries them on CPU
+    (and, on CUDA, the start barrier)."""
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    torch.distributed.init_process_group(
+        backend, init_method=addrs.dist_init, rank=rank, world_size=size, timeout=timedelta(seconds=timeout_s)
+    )
+    cpu_group = torch.distributed.new_group(backend="gloo") if backend == "nccl" else None
+    return TPGroup(rank, size, device_group=None, cpu_group=cpu_group)
+
+
+class TPRanks:
+    """Rank 0's handle on ranks 1..N-1: start them, know when one died, stop them."""
+
+    def __init__(self, args: ServerArgs) -> None:
+        self.size = args.tp_size
+        self.addrs = TPAddrs.new(self.size)
+        self.fanout = StepFanout(list(self.addrs.steps))
+        ctx = multiprocessing.get_context("spawn")
+        from common.server.tp_rank_process import tp_rank_main
+
+        self._procs = [
+            # daemon: ended with this process even when it exits on an error
+            ctx.Process(target=tp_rank_main, args=(args, rank, self.addrs, os.getpid()), name=f"pdserve-tp{rank}",
+                        daemon=True)
+            for rank in range(1, self.size)
+        ]
+
+    def start(self) -> None:
+        for proc in self._procs:
+            proc.start()
+        logger.info("TP ranks 1..%d started (pids %s)", self.size - 1, [p.pid for p in self._procs])
+
+    def dead_reason(self) -> str | None:
+        """None while every rank runs, else which one ended and how."""
+        for rank, proc in enumerate(self._procs, start=1):
+            if proc.pid is not None and not proc.is_alive():
+                code = proc.exitcode
+                how = f"killed by signal {signal.Signals(-code).name}" if code is not None and code < 0 else (
+                    f"exited with code {code}")
+                return f"TP rank {rank} (pid {proc.pid}) {how}"
+        return None
+
+    def stop(self, timeout_s: float = STOP_TIMEOUT_S) -> None:
+        """TPStop and a bounded join while all ranks live; SIGKILL at once when one died (the
+        rest may sit in a collective that never completes)."""
+        graceful = self.dead_reason() is None
+        if graceful:
+            try:
+                self.fanout.send(TPStop(), timeout_s=1.0)
+            except RuntimeError:
+                graceful = False
+        for proc in self._procs:
+            if proc.pid is None:
+                continue
+            if graceful:
+                proc.join(timeout_s)
+            if proc.is_alive():
+                proc.kill()
+            proc.join(timeout_s)
+        self.fanout.close()
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+        self.addrs.remove_files()
