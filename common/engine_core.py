@@ -150,8 +150,11 @@ class RankWorker:
     future_capacity: int
 
 
-def build_rank_worker(args: ServerArgs, tp: TPGroup = NO_TP, extra_req_rows: int = EXTRA_REQ_ROWS) -> RankWorker:
-    """Model runner + KV pool + req_to_token table + sampler of one rank (every rank at TP 1)."""
+def build_rank_worker(
+    args: ServerArgs, tp: TPGroup = NO_TP, extra_req_rows: int = EXTRA_REQ_ROWS, kv_shared_path: str | None = None
+) -> RankWorker:
+    """Model runner + KV pool + req_to_token table + sampler of one rank (every rank at TP 1).
+    kv_shared_path (CPU, TP > 1): the KV pool lives in this shared file, for rank 0 to map."""
     model_path = resolve_model_path(args.model_path)
     config = ModelConfig.from_pretrained(model_path)
     device = resolve_device(args.device, args.base_gpu_id + tp.rank)
@@ -168,7 +171,7 @@ def build_rank_worker(args: ServerArgs, tp: TPGroup = NO_TP, extra_req_rows: int
         total_tokens = kv_budget_tokens(args, config, dtype, device, shard)
         return ModelRunner.create_kv_pool(
             config, max_total_tokens=total_tokens, page_size=args.page_size, dtype=dtype, device=device,
-            streams=streams, shard=shard,
+            streams=streams, shard=shard, shared_path=kv_shared_path if device.type == "cpu" else None,
         )
 
     runner = ModelRunner(
@@ -214,8 +217,12 @@ def build_engine_core(
             device = resolve_device(args.device, args.base_gpu_id)
             set_rank_threads(device, args.tp_size)
             tp = init_tp_group(0, args.tp_size, tp_ranks.addrs, device, args.engine_start_timeout)
-        rw = build_rank_worker(args, tp, extra_req_rows)
-        tp.barrier()  # every rank has its shard loaded
+        kv_paths = tp_ranks.addrs.kv_pools if tp_ranks is not None else ()
+        rw = build_rank_worker(args, tp, extra_req_rows, kv_shared_path=kv_paths[0] if kv_paths else None)
+        tp.barrier()  # every rank has its shard loaded and its KV pool made
+        if tp_ranks is not None and rw.device.type == "cpu":
+            rw.runner.kv_pool.attach_rank_views(list(kv_paths[1:]))
+            tp_ranks.addrs.remove_kv_files()  # mapped where needed; nothing is left behind on a crash
     except BaseException:
         if tp_ranks is not None:
             tp_ranks.stop()

@@ -148,6 +148,7 @@ class ModelRunner:
         device: torch.device | str = "cpu",
         streams: DeviceStreams | None = None,
         shard: TPShard | None = None,
+        shared_path: str | None = None,
     ) -> KVPool:
         """A pool holding at least `max_total_tokens` token slots (plus the reserved page 0), of
         `shard`'s KV heads (default: all of them)."""
@@ -163,6 +164,7 @@ class ModelRunner:
             dtype=resolve_dtype(dtype, device),
             device=device,
             streams=streams,
+            shared_path=shared_path,
         )
 
     @staticmethod

@@ -39,7 +39,7 @@ def _serve(args: ServerArgs, rank: int, addrs: TPAddrs, parent_pid: int) -> None
     device = resolve_device(args.device, args.base_gpu_id + rank)
     set_rank_threads(device, args.tp_size)
     tp = init_tp_group(rank, args.tp_size, addrs, device, args.engine_start_timeout)
-    rw = build_rank_worker(args, tp)
+    rw = build_rank_worker(args, tp, kv_shared_path=addrs.kv_pools[rank])
     follower = TPFollower(rw.worker, addrs.steps[rank - 1])
     tp.barrier()
     logger.info("TP rank %d of %d ready on %s (%d KV heads)", rank, tp.size, device, rw.runner.kv_pool.num_kv_heads)

@@ -39,18 +39,31 @@ class TPAddrs:
 
     dist_init: str  # file:// init_method of torch.distributed
     steps: tuple[str, ...]  # ipc:// inbox of ranks 1..N-1
+    kv_pools: tuple[str, ...]  # CPU: the shared file of each rank's KV pool (rank 0 maps them all)
 
     @classmethod
     def new(cls, size: int) -> TPAddrs:
-        stem = os.path.join(tempfile.gettempdir(), f"pdserve_tp_{os.getpid()}_{secrets.token_hex(4)}")
-        return cls(dist_init=f"file://{stem}_dist", steps=tuple(f"ipc://{stem}_rank{r}" for r in range(1, size)))
+        tag = f"pdserve_tp_{os.getpid()}_{secrets.token_hex(4)}"
+        stem = os.path.join(tempfile.gettempdir(), tag)
+        shm = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+        return cls(dist_init=f"file://{stem}_dist", steps=tuple(f"ipc://{stem}_rank{r}" for r in range(1, size)),
+                   kv_pools=tuple(os.path.join(shm, f"{tag}_kv{r}") for r in range(size)))
+
+    def remove_kv_files(self) -> None:
+        """The KV pool files (mapped where needed, they stay valid there)."""
+        _unlink(self.kv_pools)
 
     def remove_files(self) -> None:
-        for path in (self.dist_init.removeprefix("file://"), *(a.removeprefix("ipc://") for a in self.steps)):
-            try:
-                os.unlink(path)
-            except FileNotFoundError:
-                pass
+        _unlink([self.dist_init.removeprefix("file://"), *(a.removeprefix("ipc://") for a in self.steps),
+                 *self.kv_pools])
+
+
+def _unlink(paths: list[str] | tuple[str, ...]) -> None:
+    for path in paths:
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
 
 
 def set_rank_threads(device: torch.device, size: int) -> None:
