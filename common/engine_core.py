@@ -209,6 +209,10 @@ def build_engine_core(
         args = dataclasses.replace(args, disable_radix_cache=True)
     tp_ranks: TPRanks | None = None
     tp = NO_TP
+    if args.tp_size > 1 and args.disaggregation_mode != "null" and resolve_device(args.device).type != "cpu":
+        # rank 0's agent moves every rank's KV through its mapping of their pools (CPU only)
+        raise ValueError("prefill/decode with --tp-size > 1 runs on CPU only so far (KV of every rank moves "
+                         "through rank 0's shared mapping of their pools)")
     if args.tp_size > 1:  # this process becomes rank 0 of tp_size
         tp_ranks = TPRanks(args)
         tp_ranks.start()
@@ -221,7 +225,8 @@ def build_engine_core(
         rw = build_rank_worker(args, tp, extra_req_rows, kv_shared_path=kv_paths[0] if kv_paths else None)
         tp.barrier()  # every rank has its shard loaded and its KV pool made
         if tp_ranks is not None and rw.device.type == "cpu":
-            rw.runner.kv_pool.attach_rank_views(list(kv_paths[1:]))
+            starts = [TPShard.of(rw.config, r, tp.size).kv_head_start for r in range(1, tp.size)]
+            rw.runner.kv_pool.attach_rank_views(list(kv_paths[1:]), starts)
             tp_ranks.addrs.remove_kv_files()  # mapped where needed; nothing is left behind on a crash
     except BaseException:
         if tp_ranks is not None:

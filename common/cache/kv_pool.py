@@ -69,16 +69,19 @@ class KVPool:
         streams: DeviceStreams | None = None,
         shared_path: str | None = None,
         attach: bool = False,
+        kv_head_start: int = 0,
     ) -> None:
         """streams: orders the host copies of retraction after the worker's queued steps.
         shared_path (CPU): the buffers live in that shared file mapping (a TP rank's slice, which
-        rank 0 maps too); attach=True maps an existing one instead of creating it."""
+        rank 0 maps too); attach=True maps an existing one instead of creating it.
+        kv_head_start: the model's first KV head held here (a TP rank's slice; 0 otherwise)."""
         assert num_pages >= 2, "need the reserved page 0 plus at least one usable page"
         self.num_layers = num_layers
         self.num_pages = num_pages
         self.page_size = page_size
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
+        self.kv_head_start = kv_head_start
         self.dtype = dtype
         self.device = torch.device(device)
         self.streams = streams or HostStreams(self.device)
@@ -126,13 +129,13 @@ class KVPool:
         self._flat(self.k_buffers[layer])[slots] = k.reshape(n, -1).to(self.dtype)
         self._flat(self.v_buffers[layer])[slots] = v.reshape(n, -1).to(self.dtype)
 
-    def attach_rank_views(self, paths: list[str]) -> None:
+    def attach_rank_views(self, paths: list[str], kv_head_starts: list[int]) -> None:
         """Map the pools of the other TP ranks (same shape as this one) from their shared files."""
         self.rank_views = [
             KVPool(num_layers=self.num_layers, num_pages=self.num_pages, page_size=self.page_size,
                    num_kv_heads=self.num_kv_heads, head_dim=self.head_dim, dtype=self.dtype,
-                   shared_path=path, attach=True)
-            for path in paths
+                   shared_path=path, attach=True, kv_head_start=start)
+            for path, start in zip(paths, kv_head_starts, strict=True)
         ]
 
     def host_copy_bytes(self, num_tokens: int) -> int:

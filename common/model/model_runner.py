@@ -160,6 +160,7 @@ class ModelRunner:
             num_pages=num_pages,
             page_size=page_size,
             num_kv_heads=(shard or TPShard.of(config)).num_kv_heads,
+            kv_head_start=(shard or TPShard.of(config)).kv_head_start,
             head_dim=config.head_dim,
             dtype=resolve_dtype(dtype, device),
             device=device,
