@@ -38,6 +38,7 @@ PROC_PATHS = (
     "pd/test_pd_e2e.py",
     "pd/test_pd_multiturn.py",
     "pd/test_pd_router_multiturn.py",
+    "pd/test_pd_tp.py",
     "pd/test_pd_transfer_health.py",
     "router/",
     "security/",
