@@ -99,7 +99,9 @@ def _rank_pids(engine_pid: int) -> list[int]:
             if b"spawn_main" in (cmd := Path(f"/proc/{c}/cmdline").read_bytes()) and b"resource_tracker" not in cmd]
 
 
-def test_kill_one_decode_rank_mid_stream(instances: Instances, tiny_llama_path: str) -> None:
+def test_kill_one_decode_rank_mid_stream(instances: Instances, request: pytest.FixtureRequest) -> None:
+    if request.node.callspec.params["instances"] != 16:
+        pytest.skip("once is enough: the rank dies the same way at any page size")
     pair = instances.pair(1, 2)
     decode = pair.decode
     (rank1,) = _rank_pids(decode.engine_pid())
