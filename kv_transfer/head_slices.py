@@ -22,6 +22,8 @@ import numpy as np
 from common.cache.kv_pool import KVLayout
 from kv_transfer.descriptors import DescArrays, PageRuns, build_descs
 
+MAX_SLICES = 64  # TP ranks a peer may declare (each costs descriptors on every send)
+
 
 @dataclass(frozen=True)
 class HeadSlice:
@@ -50,6 +52,8 @@ def slices_from_wire(heads: list[list[int]], k_bases: list[int], v_bases: list[i
     """A peer's slices from its message; no `heads` (an older peer): one slice of every head.
     Raises ValueError when the bases do not match the slices."""
     spans = heads or [[0, layout.num_kv_heads]]
+    if len(spans) > MAX_SLICES or any(len(span) != 2 for span in spans):
+        raise ValueError(f"{len(spans)} head slices (at most {MAX_SLICES} pairs [first head, heads])")
     n = layout.num_layers
     if len(k_bases) != n * len(spans) or len(v_bases) != n * len(spans):
         raise ValueError(f"{len(k_bases)} K / {len(v_bases)} V buffers for {len(spans)} slice(s) of {n} layers")

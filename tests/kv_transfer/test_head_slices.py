@@ -97,3 +97,5 @@ def test_mismatched_models_and_bad_slices_are_refused() -> None:
     with pytest.raises(ValueError, match="slice"):
         slices_from_wire([[0, 2], [2, 2]], [1, 2], [3, 4], a)  # 2 slices need 4 K bases
     assert slices_from_wire([], [1, 2], [3, 4], a) == [HeadSlice(0, 2, [1, 2, 3, 4])]
+    with pytest.raises(ValueError, match="at most"):
+        slices_from_wire([[0, 2]] * 65, [1, 2] * 65, [3, 4] * 65, a)  # a peer cannot make prefill build without bound

@@ -23,6 +23,7 @@ from pathlib import Path
 import pytest
 
 from tests.engine.reference import hf_greedy
+from tests.pd.inproc import InProcessPD
 from tests.pd.pd_procs import PDPair, PDResult, RoleProcess
 from tests.reliability.cluster import HB_INTERVAL_S, HB_TIMEOUT_S, HEARTBEAT_BOUND_S
 from tests.server.server_procs import wait_until
@@ -124,3 +125,21 @@ def test_kill_one_decode_rank_mid_stream(instances: Instances, request: pytest.F
     prefill = pair.prefill
     assert wait_until(lambda: prefill.stat("kv_pages_in_use") == 0 and prefill.stat("num_inflight_queue_reqs") == 0
                       and prefill.stat("num_bootstrap_queue_reqs") == 0, HEARTBEAT_BOUND_S), prefill.log()[-2000:]
+
+
+def test_tp2_decode_retracts_every_ranks_heads_and_restores_them(tiny_llama_path: str) -> None:
+    """A decode TP 2 pool too small for three requests (17 pages of 4): decode retracts, its host
+    copy holds both ranks' heads (rank 0 reads rank 1's pool through its mapping), and the
+    restored requests still decode transformers' tokens."""
+    pd = InProcessPD(tiny_llama_path, decode_args={"max_total_tokens": 68, "num_reserved_decode_tokens": 1,
+                                                    "tp_size": 2})
+    try:
+        prompts = {f"r{i}": [random.Random(i).randrange(5, 200) for _ in range(12)] for i in range(3)}
+        for rid, prompt in prompts.items():
+            pd.submit(rid, prompt, 40, ignore_eos=True)
+        pd.run_until_finished(list(prompts))
+        assert pd.decode.scheduler.num_retractions > 0, "the pool was meant to be too small for all three"
+        for rid, prompt in prompts.items():
+            assert pd.tokens(rid) == hf_greedy(tiny_llama_path, prompt, 40), rid
+    finally:
+        pd.close()
