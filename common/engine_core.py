@@ -213,6 +213,8 @@ def build_engine_core(
         # rank 0's agent moves every rank's KV through its mapping of their pools (CPU only)
         raise ValueError("prefill/decode with --tp-size > 1 runs on CPU only so far (KV of every rank moves "
                          "through rank 0's shared mapping of their pools)")
+    if args.tp_size > 1 and extra_req_rows != EXTRA_REQ_ROWS:
+        raise ValueError("TP ranks build their req_to_token table with the default extra rows")
     if args.tp_size > 1:  # this process becomes rank 0 of tp_size
         tp_ranks = TPRanks(args)
         tp_ranks.start()
@@ -224,10 +226,13 @@ def build_engine_core(
         kv_paths = tp_ranks.addrs.kv_pools if tp_ranks is not None else ()
         rw = build_rank_worker(args, tp, extra_req_rows, kv_shared_path=kv_paths[0] if kv_paths else None)
         tp.barrier()  # every rank has its shard loaded and its KV pool made
-        if tp_ranks is not None and rw.device.type == "cpu":
-            starts = [TPShard.of(rw.config, r, tp.size).kv_head_start for r in range(1, tp.size)]
-            rw.runner.kv_pool.attach_rank_views(list(kv_paths[1:]), starts)
-            tp_ranks.addrs.remove_kv_files()  # mapped where needed; nothing is left behind on a crash
+        if tp_ranks is not None:
+            if rw.device.type == "cpu":
+                starts = [TPShard.of(rw.config, r, tp.size).kv_head_start for r in range(1, tp.size)]
+                rw.runner.kv_pool.attach_rank_views(list(kv_paths[1:]), starts)
+            # every rank has joined, connected and mapped: no file is needed any more, and none
+            # is left behind when the instance is killed
+            tp_ranks.addrs.remove_files()
     except BaseException:
         if tp_ranks is not None:
             tp_ranks.stop()

@@ -38,7 +38,7 @@ class TPAddrs:
     """Where the ranks of one instance meet: the distributed init file and each rank's step inbox."""
 
     dist_init: str  # file:// init_method of torch.distributed
-    steps: tuple[str, ...]  # ipc:// inbox of ranks 1..N-1
+    steps: tuple[str, ...]  # ipc:// inbox of ranks 1..N-1 (abstract: no file)
     kv_pools: tuple[str, ...]  # CPU: the shared file of each rank's KV pool (rank 0 maps them all)
 
     @classmethod
@@ -46,16 +46,13 @@ class TPAddrs:
         tag = f"pdserve_tp_{os.getpid()}_{secrets.token_hex(4)}"
         stem = os.path.join(tempfile.gettempdir(), tag)
         shm = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
-        return cls(dist_init=f"file://{stem}_dist", steps=tuple(f"ipc://{stem}_rank{r}" for r in range(1, size)),
+        # steps: Linux abstract ipc sockets (no file to leave behind)
+        return cls(dist_init=f"file://{stem}_dist", steps=tuple(f"ipc://@{tag}_rank{r}" for r in range(1, size)),
                    kv_pools=tuple(os.path.join(shm, f"{tag}_kv{r}") for r in range(size)))
 
-    def remove_kv_files(self) -> None:
-        """The KV pool files (mapped where needed, they stay valid there)."""
-        _unlink(self.kv_pools)
-
     def remove_files(self) -> None:
-        _unlink([self.dist_init.removeprefix("file://"), *(a.removeprefix("ipc://") for a in self.steps),
-                 *self.kv_pools])
+        """Unlinked files stay valid where they are open or mapped (sockets, store, KV pools)."""
+        _unlink([self.dist_init.removeprefix("file://"), *self.kv_pools])
 
 
 def _unlink(paths: list[str] | tuple[str, ...]) -> None:

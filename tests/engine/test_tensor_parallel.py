@@ -10,7 +10,10 @@ the radix cache; the overlap loop runs the steps.
 
 from __future__ import annotations
 
+import glob
+import os
 import random
+import tempfile
 from collections.abc import Callable, Iterator
 
 import pytest
@@ -41,6 +44,9 @@ def test_tp2_greedy_equals_transformers(tp_engine: tuple[Engine, str]) -> None:
     kv_heads = engine.core.model_config.num_kv_heads
     assert engine.core.tp_ranks is not None and engine.core.tp_ranks.dead_reason() is None
     assert engine.core.kv_pool.num_kv_heads == max(1, kv_heads // 2)
+    # the ranks' meeting files (store, KV pool mappings) are gone once everyone joined
+    assert glob.glob(f"{tempfile.gettempdir()}/pdserve_tp_{os.getpid()}_*") + glob.glob(
+        f"/dev/shm/pdserve_tp_{os.getpid()}_*") == []
     rng = random.Random(5)
     shared = [rng.randrange(3, engine.vocab_size) for _ in range(40)]
     first = workload(engine.vocab_size, 6, seed=2, shared=shared)
