@@ -115,7 +115,9 @@ def load_weights(model: LlamaForCausalLM, model_path: str | Path) -> None:
                     unexpected.append(name)
                     continue
                 param = params[pname]
-                tensor = model.shard.checkpoint_slice(name, f.get_tensor(name))
+                # TP: read only this rank's part of the tensor
+                lazy = f.get_tensor(name) if model.shard.size == 1 else f.get_slice(name)
+                tensor = model.shard.checkpoint_slice(name, lazy)
                 expected = (rows, *param.shape[1:])
                 if tuple(tensor.shape) != expected:
                     raise WeightLoadError(f"{file.name}: {name} has shape {tuple(tensor.shape)}, expected {expected}")

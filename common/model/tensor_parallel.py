@@ -79,10 +79,11 @@ class TPShard:
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
 
-    def checkpoint_slice(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
-        """The part of checkpoint tensor `name` this rank loads (the tensor itself at size 1)."""
+    def checkpoint_slice(self, name: str, tensor: Any) -> torch.Tensor:
+        """The part of checkpoint tensor `name` this rank loads (the tensor itself at size 1).
+        `tensor` may be a lazy safetensors slice: only this rank's part is then read."""
         if self.size == 1:
-            return tensor
+            return tensor if isinstance(tensor, torch.Tensor) else tensor[:]
         d = self.head_dim
         m = _COLUMN_HEAD.search(name)
         if m is not None:
@@ -97,13 +98,13 @@ class TPShard:
                 self.rank * self.intermediate_size, self.intermediate_size)
             return tensor[:, start : start + n]
         if _ROW_BIAS.search(name):
-            return tensor if self.rank == 0 else torch.zeros_like(tensor)
+            return tensor[:] if self.rank == 0 else torch.zeros_like(tensor[:])
         if _VOCAB.match(name):
             rows = tensor[self.vocab_start : self.vocab_start + self.vocab_size]
             if rows.shape[0] < self.vocab_size:  # the last rank's padding rows stay zero
                 rows = torch.cat([rows, rows.new_zeros(self.vocab_size - rows.shape[0], *rows.shape[1:])])
             return rows
-        return tensor
+        return tensor[:]
 
 
 def tp_problem(config: ModelConfig, size: int) -> str | None:
