@@ -99,6 +99,7 @@ class EngineCore:
                 "vocab_size": float(self.model_config.vocab_size),
                 "radix_cache_enabled": float(not self.scheduler.kv.radix.disable),
                 "defer_frees": float(self.scheduler.kv.defer_frees),
+                "tp_size": float(self.tp_ranks.size if self.tp_ranks is not None else 1),
             }
         )
         if self.transfer is not None and self.transfer.bootstrap_port is not None:

@@ -20,6 +20,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import httpx
 import pytest
 
 from tests.engine.reference import hf_greedy
@@ -81,6 +82,8 @@ def workload(n: int, seed: int) -> list[list[int]]:
 def test_pd_across_tp_sizes_equals_transformers(instances: Instances, tiny_llama_path: str, prefill_tp: int,
                                                 decode_tp: int) -> None:
     pair = instances.pair(prefill_tp, decode_tp)
+    for role, tp in ((pair.prefill, prefill_tp), (pair.decode, decode_tp)):
+        assert httpx.get(role.url + "/server_info", timeout=5.0).json()["pools"]["tp_size"] == tp
     prompts = workload(6, seed=prefill_tp * 10 + decode_tp)
     for prompt, res in zip(prompts, pair.run([pair.body(p, 8) for p in prompts]), strict=True):
         assert res.error is None and res.decode_status == 200, res
