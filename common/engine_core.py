@@ -234,6 +234,7 @@ def build_engine_core(
             # every rank has joined, connected and mapped: no file is needed any more, and none
             # is left behind when the instance is killed
             tp_ranks.addrs.remove_files()
+            tp_ranks.started()  # from here a dead rank is the engine loop's business
     except BaseException:
         if tp_ranks is not None:
             tp_ranks.stop()

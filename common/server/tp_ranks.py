@@ -19,6 +19,7 @@ import os
 import secrets
 import signal
 import tempfile
+import threading
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -31,6 +32,7 @@ from common.server.server_args import ServerArgs
 logger = logging.getLogger(__name__)
 
 STOP_TIMEOUT_S = 10.0
+START_WATCH_S = 0.5
 
 
 @dataclass(frozen=True)
@@ -87,6 +89,7 @@ class TPRanks:
         self.size = args.tp_size
         self.addrs = TPAddrs.new(self.size)
         self.fanout = StepFanout(list(self.addrs.steps))
+        self._started = threading.Event()
         ctx = multiprocessing.get_context("spawn")
         from common.server.tp_rank_process import tp_rank_main
 
@@ -98,9 +101,25 @@ class TPRanks:
         ]
 
     def start(self) -> None:
+        """Start ranks 1..N-1, and watch them until `started()`: rank 0 waits for them inside
+        torch.distributed's rendezvous and barrier, which a rank that died before joining
+        would hold for the whole timeout; this process exits at once instead (its frontend
+        then reports the failed start)."""
         for proc in self._procs:
             proc.start()
         logger.info("TP ranks 1..%d started (pids %s)", self.size - 1, [p.pid for p in self._procs])
+        threading.Thread(target=self._watch_start, name="tp-start-watch", daemon=True).start()
+
+    def started(self) -> None:
+        self._started.set()
+
+    def _watch_start(self) -> None:
+        while not self._started.wait(START_WATCH_S):
+            dead = self.dead_reason()
+            if dead is not None:
+                logger.error("%s while the instance was starting; the engine exits", dead)
+                self.addrs.remove_files()
+                os._exit(1)
 
     def dead_reason(self) -> str | None:
         """None while every rank runs, else which one ended and how."""
@@ -115,6 +134,7 @@ class TPRanks:
     def stop(self, timeout_s: float = STOP_TIMEOUT_S) -> None:
         """TPStop and a bounded join while all ranks live; SIGKILL at once when one died (the
         rest may sit in a collective that never completes)."""
+        self._started.set()  # stopping on purpose: the start watch must not end this process
         graceful = self.dead_reason() is None
         if graceful:
             try:

@@ -146,3 +146,29 @@ def test_tp2_decode_retracts_every_ranks_heads_and_restores_them(tiny_llama_path
             assert pd.tokens(rid) == hf_greedy(tiny_llama_path, prompt, 40), rid
     finally:
         pd.close()
+
+
+def test_a_rank_dead_before_joining_fails_the_start_at_once(tiny_llama_path: str) -> None:
+    """Rank 0 waits for the other ranks inside torch.distributed's rendezvous, which would hold
+    a rank that never joins for the whole start timeout; the start watch ends it at once."""
+    start_timeout_s = 60.0
+    inst = RoleProcess("common.server", Path(tiny_llama_path), "--dtype", "float32", "--tp-size", "2",
+                       "--engine-start-timeout", str(start_timeout_s))
+    try:
+        ranks: list[tuple[int, int]] = []  # (engine, rank)
+
+        def rank_spawned() -> bool:
+            engines = Path(f"/proc/{inst.proc.pid}/task/{inst.proc.pid}/children").read_text().split()
+            ranks.extend((int(e), r) for e in engines if os.path.exists(f"/proc/{e}") for r in _rank_pids(int(e)))
+            return bool(ranks)
+
+        assert wait_until(rank_spawned, start_timeout_s, period_s=0.02), inst.log()[-2000:]
+        engine, rank = ranks[0]
+        os.kill(rank, signal.SIGKILL)  # it is still importing: it cannot have joined yet
+        # the engine ends well before the start timeout (its frontend then fails the start)
+        assert wait_until(lambda: not os.path.exists(f"/proc/{engine}/status") or "zombie" in Path(
+            f"/proc/{engine}/status").read_text(), start_timeout_s / 2), inst.log()[-2000:]
+        assert "while the instance was starting" in inst.log()
+    finally:
+        inst.kill9()  # the frontend would finish loading its tokenizer before it exits
+        inst.stop()
