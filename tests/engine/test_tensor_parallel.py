@@ -1,11 +1,10 @@
 """--tp-size 2 in the colocated engine: rank 0 here plus one spawned rank process, gloo on CPU.
 
-Greedy output equals transformers (and so TP 1, which tests/engine pins there) on two
-checkpoints: KV heads split (4 -> 2 per rank, qwen3's q/k norms) and replicated (qwen2, 1 KV
-head on both ranks, qkv bias, tied embeddings so the vocab-parallel logits come from the
-embedding shard). The llama with 2 KV heads (one per rank) runs at TP 2 in
-tests/pd/test_pd_tp.py. Prompts longer than a chunk prefill in pieces; a second round hits
-the radix cache; the overlap loop runs the steps.
+Greedy output equals transformers (and so TP 1, which tests/engine pins there) on three
+checkpoints: KV heads split (4 -> 2 per rank, qwen3's q/k norms; llama's 2 -> 1 per rank) and
+replicated (qwen2, 1 KV head on both ranks, qkv bias, tied embeddings so the vocab-parallel
+logits come from the embedding shard). Prompts longer than a chunk prefill in pieces; a
+second round hits the radix cache; the overlap loop runs the steps.
 """
 
 from __future__ import annotations
@@ -23,6 +22,7 @@ from tests.engine.test_engine_parity import check_parity, workload
 
 CHECKPOINTS = {
     "qwen3-kv4": ("qwen3", {"num_kv_heads": 4}),
+    "llama-kv2": ("llama", {}),
     "qwen2-kv1-tied": ("qwen2", {"num_kv_heads": 1, "tie_word_embeddings": True}),
 }
 
