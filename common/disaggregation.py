@@ -20,6 +20,7 @@ from common.scheduler.messages import FinishReason
 from common.scheduler.req import Req
 from common.server.server_args import ServerArgs
 from kv_transfer import AuxBuffer, FailureCause, KVManager, KVManagerArgs, TransferConfig
+from kv_transfer.base import KVSlice
 
 logger = logging.getLogger(__name__)
 
@@ -67,6 +68,9 @@ def make_kv_manager(
             config=transfer_config(args),
             backend=args.disaggregation_transfer_backend,
             cluster_secret=ClusterSecret.load(args.cluster_secret_file),
+            kv_head_start=kv_pool.kv_head_start,
+            # TP: the other ranks' KV slices (mapped here), moved by this manager's agent too
+            rank_slices=[KVSlice(v.kv_head_start, v.k_buffers, v.v_buffers) for v in kv_pool.rank_views],
         )
     )
 

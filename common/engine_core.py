@@ -6,6 +6,10 @@ which hands its RoleSpec (common/scheduler/role.py). Nothing here runs a loop.
     ServerArgs, RoleSpec -> ModelConfig, KVPool, ReqToTokenPool, PageAllocator, RadixCache
                          -> ReqKVManager(defer_frees=role.defer_frees) -> TorchModelWorker
                          -> Sync/ThreadExecutor -> role.build(SchedulerParts) -> scheduler (+ transfer)
+
+With --tp-size N > 1 this process is rank 0: it starts ranks 1..N-1 (tp_ranks.py), which build
+the same RankWorker (build_rank_worker) on their shard, and wraps its worker in a
+TPLeaderWorker that hands each step to them.
 """
 
 from __future__ import annotations
@@ -28,14 +32,17 @@ from common.model.device_streams import make_device_streams
 from common.model.memory_budget import kv_budget_bytes
 from common.model.model_runner import ModelRunner
 from common.model.sampler import Sampler
+from common.model.tensor_parallel import NO_TP, TPGroup, TPShard
 from common.scheduler.config import SchedulerConfig
-from common.scheduler.executor import Executor, SyncExecutor, ThreadExecutor
+from common.scheduler.executor import Executor, ModelWorker, SyncExecutor, ThreadExecutor
 from common.scheduler.kv_manager import ReqKVManager
 from common.scheduler.model_worker import TorchModelWorker
 from common.scheduler.role import COLOCATED, RoleSpec, SchedulerParts, TransferLink
 from common.scheduler.scheduler import OutputSink, Scheduler
+from common.scheduler.tp_worker import TPLeaderWorker
 from common.server.kv_event_publisher import KVEventPublisher
 from common.server.server_args import ServerArgs
+from common.server.tp_ranks import TPRanks, init_tp_group, set_rank_threads
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +61,7 @@ class EngineCore:
     executor: Executor
     runner: ModelRunner
     kv_events: KVEventPublisher | None = None  # instances with a prefix cache: its contents, for the router
+    tp_ranks: TPRanks | None = None  # --tp-size > 1: ranks 1..N-1 (this process is rank 0)
 
     def run_iteration(self, step_scope: Callable[[], AbstractContextManager[object]] = nullcontext) -> None:
         """One engine-loop iteration after the inputs were taken in: poll the role's transfers,
@@ -77,6 +85,8 @@ class EngineCore:
             self.transfer.service.shutdown()
         if self.kv_events is not None:
             self.kv_events.close()
+        if self.tp_ranks is not None:
+            self.tp_ranks.stop()
 
     def ready_stats(self) -> dict[str, float]:
         s = self.scheduler.stats()
@@ -89,6 +99,7 @@ class EngineCore:
                 "vocab_size": float(self.model_config.vocab_size),
                 "radix_cache_enabled": float(not self.scheduler.kv.radix.disable),
                 "defer_frees": float(self.scheduler.kv.defer_frees),
+                "tp_size": float(self.tp_ranks.size if self.tp_ranks is not None else 1),
             }
         )
         if self.transfer is not None and self.transfer.bootstrap_port is not None:
@@ -114,12 +125,76 @@ def scheduler_config(args: ServerArgs, context_length: int) -> SchedulerConfig:
     )
 
 
-def kv_budget_tokens(args: ServerArgs, config: ModelConfig, dtype: torch.dtype, device: torch.device) -> int:
+def kv_budget_tokens(
+    args: ServerArgs, config: ModelConfig, dtype: torch.dtype, device: torch.device, shard: TPShard | None = None
+) -> int:
+    """Token slots of the KV pool; under TP every rank arrives at the same count (same shard sizes)."""
     if args.max_total_tokens is not None:
         return args.max_total_tokens
-    per_token = ModelRunner.kv_bytes_per_token(config, dtype, str(device))
+    per_token = ModelRunner.kv_bytes_per_token(config, dtype, str(device), shard)
     budget = kv_budget_bytes(device, mem_fraction_static=args.mem_fraction_static, kv_cache_gb=args.kv_cache_gb)
     return max(args.page_size, budget // per_token)
+
+
+@dataclass
+class RankWorker:
+    """What every TP rank builds alike: the model shard, its KV pool slice, the worker."""
+
+    model_path: str
+    config: ModelConfig
+    device: torch.device
+    dtype: torch.dtype
+    context_length: int
+    req_pool: ReqToTokenPool
+    runner: ModelRunner
+    worker: TorchModelWorker
+    future_capacity: int
+
+
+def build_rank_worker(
+    args: ServerArgs, tp: TPGroup = NO_TP, extra_req_rows: int = EXTRA_REQ_ROWS, kv_shared_path: str | None = None
+) -> RankWorker:
+    """Model runner + KV pool + req_to_token table + sampler of one rank (every rank at TP 1).
+    kv_shared_path (CPU, TP > 1): the KV pool lives in this shared file, for rank 0 to map."""
+    model_path = resolve_model_path(args.model_path)
+    config = ModelConfig.from_pretrained(model_path)
+    device = resolve_device(args.device, args.base_gpu_id + tp.rank)
+    use_device(device)
+    dtype = resolve_dtype(args.dtype, device)
+    shard = TPShard.of(config, tp.rank, tp.size)
+    context_length = min(args.context_length or config.context_length, config.context_length)
+    streams = make_device_streams(device)
+    req_pool = ReqToTokenPool(
+        args.max_running_requests + extra_req_rows, context_length + args.page_size, device=device, streams=streams
+    )
+
+    def create_kv_pool() -> KVPool:  # called by the runner once the weights are on the device
+        total_tokens = kv_budget_tokens(args, config, dtype, device, shard)
+        return ModelRunner.create_kv_pool(
+            config, max_total_tokens=total_tokens, page_size=args.page_size, dtype=dtype, device=device,
+            streams=streams, shard=shard, shared_path=kv_shared_path if device.type == "cpu" else None,
+        )
+
+    runner = ModelRunner(
+        model_path, dtype=dtype, device=device, kv_pool=create_kv_pool, req_to_token=req_pool.table,
+        attention_backend=args.attention_backend, streams=streams, tp=tp,
+    )
+    if device.type == "cuda" and not args.disable_cuda_graph:
+        if tp.size > 1:
+            logger.warning("CUDA graphs off: not captured with tensor parallelism (collectives inside)")
+        elif runner.attn_backend.graph_capturable:
+            from common.model.cuda_graphs import CudaGraphCapture
+
+            runner.enable_decode_graphs(args.cuda_graph_max_bs or args.max_running_requests, CudaGraphCapture(device))
+        else:
+            logger.warning("CUDA graphs off: the %s cannot be captured", type(runner.attn_backend).__name__)
+    future_capacity = 4 * (req_pool.max_reqs + 8)
+    sampler = Sampler(config.vocab_size, req_pool.max_reqs, device, streams=streams)
+    worker = TorchModelWorker(runner, sampler, future_capacity=future_capacity)
+    return RankWorker(
+        model_path=model_path, config=config, device=device, dtype=dtype, context_length=context_length,
+        req_pool=req_pool, runner=runner, worker=worker, future_capacity=future_capacity,
+    )
 
 
 def build_engine_core(
@@ -133,39 +208,43 @@ def build_engine_core(
 ) -> EngineCore:
     if not role.radix_cache and not args.disable_radix_cache:
         args = dataclasses.replace(args, disable_radix_cache=True)
-    model_path = resolve_model_path(args.model_path)
-    config = ModelConfig.from_pretrained(model_path)
-    device = resolve_device(args.device, args.base_gpu_id)
-    use_device(device)
-    dtype = resolve_dtype(args.dtype, device)
-    context_length = min(args.context_length or config.context_length, config.context_length)
-    streams = make_device_streams(device)
-    req_pool = ReqToTokenPool(
-        args.max_running_requests + extra_req_rows, context_length + args.page_size, device=device, streams=streams
-    )
-
-    def create_kv_pool() -> KVPool:  # called by the runner once the weights are on the device
-        total_tokens = kv_budget_tokens(args, config, dtype, device)
-        return ModelRunner.create_kv_pool(
-            config, max_total_tokens=total_tokens, page_size=args.page_size, dtype=dtype, device=device, streams=streams
-        )
-
-    runner = ModelRunner(
-        model_path, dtype=dtype, device=device, kv_pool=create_kv_pool, req_to_token=req_pool.table,
-        attention_backend=args.attention_backend, streams=streams,
-    )
-    kv_pool = runner.kv_pool
-    if device.type == "cuda" and not args.disable_cuda_graph:
-        if runner.attn_backend.graph_capturable:
-            from common.model.cuda_graphs import CudaGraphCapture
-
-            runner.enable_decode_graphs(args.cuda_graph_max_bs or args.max_running_requests, CudaGraphCapture(device))
-        else:
-            logger.warning("CUDA graphs off: the %s cannot be captured", type(runner.attn_backend).__name__)
+    tp_ranks: TPRanks | None = None
+    tp = NO_TP
+    if args.tp_size > 1 and args.disaggregation_mode != "null" and resolve_device(args.device).type != "cpu":
+        # rank 0's agent moves every rank's KV through its mapping of their pools (CPU only)
+        raise ValueError("prefill/decode with --tp-size > 1 runs on CPU only so far (KV of every rank moves "
+                         "through rank 0's shared mapping of their pools)")
+    if args.tp_size > 1 and extra_req_rows != EXTRA_REQ_ROWS:
+        raise ValueError("TP ranks build their req_to_token table with the default extra rows")
+    if args.tp_size > 1:  # this process becomes rank 0 of tp_size
+        tp_ranks = TPRanks(args)
+        tp_ranks.start()
+    try:
+        if tp_ranks is not None:
+            device = resolve_device(args.device, args.base_gpu_id)
+            set_rank_threads(device, args.tp_size)
+            tp = init_tp_group(0, args.tp_size, tp_ranks.addrs, device, args.engine_start_timeout)
+        kv_paths = tp_ranks.addrs.kv_pools if tp_ranks is not None else ()
+        rw = build_rank_worker(args, tp, extra_req_rows, kv_shared_path=kv_paths[0] if kv_paths else None)
+        tp.barrier()  # every rank has its shard loaded and its KV pool made
+        if tp_ranks is not None:
+            if rw.device.type == "cpu":
+                starts = [TPShard.of(rw.config, r, tp.size).kv_head_start for r in range(1, tp.size)]
+                rw.runner.kv_pool.attach_rank_views(list(kv_paths[1:]), starts)
+            # every rank has joined, connected and mapped: no file is needed any more, and none
+            # is left behind when the instance is killed
+            tp_ranks.addrs.remove_files()
+            tp_ranks.started()  # from here a dead rank is the engine loop's business
+    except BaseException:
+        if tp_ranks is not None:
+            tp_ranks.stop()
+        raise
+    runner, config, device, kv_pool = rw.runner, rw.config, rw.device, rw.runner.kv_pool
     logger.info(
-        "KV pool: %d tokens (%d pages of %d), %.1f MiB, %s",
+        "KV pool: %d tokens (%d pages of %d), %.1f MiB, %s%s",
         (kv_pool.num_pages - 1) * kv_pool.page_size, kv_pool.num_pages - 1, kv_pool.page_size,
-        kv_pool.total_bytes() / 2**20, str(dtype).removeprefix("torch."),
+        kv_pool.total_bytes() / 2**20, str(rw.dtype).removeprefix("torch."),
+        f" (TP rank 0 of {tp.size}: {kv_pool.num_kv_heads} KV heads)" if tp.size > 1 else "",
     )
     allocator = PageAllocator(kv_pool.num_pages, args.page_size)
     kv_events = None
@@ -173,25 +252,25 @@ def build_engine_core(
         kv_events = KVEventPublisher(args.host, args.kv_events_port, args.page_size,
                                      secret=ClusterSecret.load(args.cluster_secret_file))
     radix = RadixCache(allocator, args.page_size, disable=args.disable_radix_cache, events=kv_events)
-    kv = ReqKVManager(allocator, radix, req_pool, defer_frees=role.defer_frees)
-    future_capacity = 4 * (req_pool.max_reqs + 8)
-    sampler = Sampler(config.vocab_size, req_pool.max_reqs, device, streams=streams)
-    worker = TorchModelWorker(runner, sampler, future_capacity=future_capacity)
+    kv = ReqKVManager(allocator, radix, rw.req_pool, defer_frees=role.defer_frees)
+    worker: ModelWorker = rw.worker if tp_ranks is None else TPLeaderWorker(rw.worker, tp_ranks.fanout)
     executor: Executor
     if not args.overlap_schedule:
         executor = SyncExecutor(worker)
     else:
         def on_thread_start() -> None:  # the worker's device and stream, then the caller's hook
-            worker.on_thread_start()
+            rw.worker.on_thread_start()
             if on_worker_start is not None:
                 on_worker_start()
 
         executor = ThreadExecutor(worker, on_thread_start=on_device_thread(device, on_thread_start))
-    cfg = scheduler_config(args, context_length)
+    cfg = scheduler_config(args, rw.context_length)
     built = role.build(
-        SchedulerParts(cfg=cfg, executor=executor, kv=kv, kv_pool=kv_pool, future_capacity=future_capacity, output=output)
+        SchedulerParts(cfg=cfg, executor=executor, kv=kv, kv_pool=kv_pool, future_capacity=rw.future_capacity,
+                       output=output)
     )
     return EngineCore(
-        args=args, model_path=model_path, model_config=config, kv_pool=kv_pool, role=role, scheduler=built.scheduler,
-        transfer=built.transfer, executor=executor, runner=runner, kv_events=kv_events,
+        args=args, model_path=rw.model_path, model_config=config, kv_pool=kv_pool, role=role,
+        scheduler=built.scheduler, transfer=built.transfer, executor=executor, runner=runner, kv_events=kv_events,
+        tp_ranks=tp_ranks,
     )

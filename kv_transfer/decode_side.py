@@ -21,6 +21,7 @@ from common.cache.kv_pool import KVLayout
 from kv_transfer.aux_buffer import AuxBuffer
 from kv_transfer.base import FailureCause, KVPoll
 from kv_transfer.handles import AbortCmd, InitCmd, KVReceiver
+from kv_transfer.head_slices import split_compatible
 from kv_transfer.messages import (
     Abort,
     ControlMsg,
@@ -58,9 +59,10 @@ class _Recv:
 
 
 class DecodeSide(Side):
-    def __init__(self, *, layout: KVLayout, aux: AuxBuffer, register: Register, **kw: object) -> None:
+    def __init__(self, *, layout: KVLayout, aux: AuxBuffer, register: Register, total_heads: int, **kw: object) -> None:
         super().__init__(**kw)  # type: ignore[arg-type]
         self.layout = layout
+        self.total_heads = total_heads  # KV heads over all TP ranks
         self.aux = aux
         self.register_msg = register
         self.peers: dict[PeerKey, _PrefillPeer] = {}
@@ -163,7 +165,9 @@ class DecodeSide(Side):
 
     def _on_message(self, peer: _PrefillPeer, msg: ControlMsg, now: float) -> None:
         if isinstance(msg, RegisterAck):
-            reason = self.layout.compatible_with(layout_from_wire(msg.info.layout))
+            remote = layout_from_wire(msg.info.layout)
+            spans = msg.info.head_slices or [[0, remote.num_kv_heads]]
+            reason = split_compatible(self.layout, self.total_heads, remote, max(a + n for a, n in spans))
             if reason is not None:
                 self._drop_peer(peer, FailureCause.LAYOUT_MISMATCH, f"prefill {peer.key[0]}:{peer.key[1]}: {reason}", now)
                 return
@@ -209,7 +213,8 @@ class DecodeSide(Side):
 
     def _nbytes(self, rec: _Recv) -> int:
         assert rec.init is not None
-        return 2 * self.layout.num_layers * self.layout.page_bytes * rec.init.dst_pages.size + self.aux.row_bytes
+        per_page = 2 * self.layout.num_layers * self.layout.page_bytes * len(self.register_msg.k_bases) // self.layout.num_layers
+        return per_page * rec.init.dst_pages.size + self.aux.row_bytes
 
     # ---- periodic work ------------------------------------------------------------------
     def tick(self, now: float) -> bool:

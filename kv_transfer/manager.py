@@ -21,11 +21,12 @@ from typing import Any
 import zmq
 
 from common.zmq_curve import CurveSecurity
-from kv_transfer.base import FailureCause, KVManagerArgs, KVTransferError, StateCell
+from kv_transfer.base import FailureCause, KVManagerArgs, KVSlice, KVTransferError, StateCell
 from kv_transfer.decode_side import DecodeSide
 from kv_transfer.endpoint import make_endpoint
 from kv_transfer.faults import FaultInjector, FaultSpec
 from kv_transfer.handles import KVReceiver, KVSender
+from kv_transfer.head_slices import HeadSlice, total_heads, wire_slices
 from kv_transfer.messages import PROTOCOL_VERSION, PrefillInfo, Register
 from kv_transfer.metrics import TransferMetrics
 from kv_transfer.prefill_side import PrefillSide
@@ -43,17 +44,25 @@ class KVManager:
         layout = args.layout
         if len(args.k_buffers) != layout.num_layers or len(args.v_buffers) != layout.num_layers:
             raise ValueError(f"need {layout.num_layers} K and V buffers")
+        slices = [KVSlice(args.kv_head_start, args.k_buffers, args.v_buffers), *args.rank_slices]
         want = layout.num_pages * layout.page_bytes
-        for t in (*args.k_buffers, *args.v_buffers):
-            if t.numel() * t.element_size() != want or not t.is_contiguous():
-                raise ValueError(f"each KV buffer must be contiguous and {want} bytes (layout {layout})")
+        for sl in slices:
+            if len(sl.k_buffers) != layout.num_layers or len(sl.v_buffers) != layout.num_layers:
+                raise ValueError(f"need {layout.num_layers} K and V buffers per TP rank")
+            for t in (*sl.k_buffers, *sl.v_buffers):
+                if t.numel() * t.element_size() != want or not t.is_contiguous():
+                    raise ValueError(f"each KV buffer must be contiguous and {want} bytes (layout {layout})")
+        self.head_slices = [
+            HeadSlice(sl.head_start, layout.num_kv_heads, [t.data_ptr() for t in (*sl.k_buffers, *sl.v_buffers)])
+            for sl in slices
+        ]
         self.args = args
         self.role = args.role
         self.cfg = args.config
         self.layout = layout
         self.faults = FaultInjector(FaultSpec.parse(self.cfg.faults))
         self.metrics = TransferMetrics(args.role, args.registry)  # type: ignore[arg-type]
-        kv = [*args.k_buffers, *args.v_buffers]
+        kv = [t for sl in slices for t in (*sl.k_buffers, *sl.v_buffers)]
         make = args.endpoint_factory or (lambda *a: make_endpoint(args.backend, *a))
         with ucx_pinned_to(args.bootstrap_host):  # UCX listens on --host's interface only
             self.endpoint = make(args.role, kv, args.aux_buffer.tensor, self.faults)
@@ -89,11 +98,12 @@ class KVManager:
                 self.bootstrap_port = args.bootstrap_port
             self._poller.register(router, zmq.POLLIN)
             info = PrefillInfo(
-                PROTOCOL_VERSION, self.agent_name, host, self.bootstrap_port, layout_to_wire(layout), args.aux_buffer.row_bytes, args.rank
+                PROTOCOL_VERSION, self.agent_name, host, self.bootstrap_port, layout_to_wire(layout), args.aux_buffer.row_bytes,
+                args.rank, wire_slices(self.head_slices),
             )
-            kv_bases = [t.data_ptr() for t in kv]
             self.side = PrefillSide(
-                layout=layout, kv_bases=kv_bases, aux=args.aux_buffer, info=info, faults=self.faults, sock=router, **common
+                layout=layout, slices=self.head_slices, aux=args.aux_buffer, info=info, faults=self.faults, sock=router,
+                **common,
             )
         elif args.role == "decode":
             self.bootstrap_port = 0
@@ -102,16 +112,18 @@ class KVManager:
                 self.agent_name,
                 self.endpoint.metadata(),
                 layout_to_wire(layout),
-                [t.data_ptr() for t in args.k_buffers],
-                [t.data_ptr() for t in args.v_buffers],
+                [b for hs in self.head_slices for b in hs.bases[: layout.num_layers]],
+                [b for hs in self.head_slices for b in hs.bases[layout.num_layers :]],
                 self.endpoint.kv_mem_type,
                 self.endpoint.kv_device,
                 args.aux_buffer.tensor.data_ptr(),
                 args.aux_buffer.row_bytes,
                 args.aux_buffer.num_slots,
                 secrets.token_bytes(16),
+                wire_slices(self.head_slices),
             )
-            self.side = DecodeSide(layout=layout, aux=args.aux_buffer, register=reg, **common)
+            self.side = DecodeSide(layout=layout, aux=args.aux_buffer, register=reg, total_heads=total_heads(self.head_slices),
+                                   **common)
         else:
             raise ValueError(f"role must be 'prefill' or 'decode', got {args.role!r}")
         self._loop_at = time.monotonic()

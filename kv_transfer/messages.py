@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import msgspec
 
-PROTOCOL_VERSION = 3  # 2: TransferRequest.skip_pages (decode's prefix cache); 3: Register.instance_token
+PROTOCOL_VERSION = 4  # 2: TransferRequest.skip_pages (decode's prefix cache); 3: Register.instance_token;
+# 4: head_slices (tensor parallelism: one [first head, heads] per TP rank; bases are per slice)
 
 
 class WireLayout(msgspec.Struct, frozen=True, array_like=True):
@@ -42,6 +43,7 @@ class PrefillInfo(msgspec.Struct, frozen=True, array_like=True):
     layout: WireLayout
     aux_row_bytes: int
     rank: int = 0
+    head_slices: list[list[int]] = []  # [first KV head, heads] of each TP rank; [] = one slice of all
 
 
 class Register(msgspec.Struct, frozen=True, array_like=True, tag="reg"):
@@ -57,6 +59,7 @@ class Register(msgspec.Struct, frozen=True, array_like=True, tag="reg"):
     aux_row_bytes: int
     aux_slots: int
     instance_token: bytes  # random per decode manager: only its holder may replace this agent's registration
+    head_slices: list[list[int]] = []  # per TP rank [first KV head, heads]; k_bases / v_bases are slice-major
 
 
 class RegisterAck(msgspec.Struct, frozen=True, array_like=True, tag="ack"):

@@ -22,10 +22,20 @@ import numpy as np
 from common.cache.kv_pool import KVLayout
 from kv_transfer.aux_buffer import AuxBuffer, AuxRow, AuxSlotAllocator
 from kv_transfer.base import FailureCause, KVPoll, TransferConfig
-from kv_transfer.descriptors import build_descs, coalesce_pages
+from kv_transfer.descriptors import coalesce_pages
 from kv_transfer.endpoint import EndpointError, PostedXfer, TransferEndpoint
 from kv_transfer.faults import FaultInjector
 from kv_transfer.handles import AbortCmd, KVSender, SendCmd
+from kv_transfer.head_slices import (
+    HeadPair,
+    HeadSlice,
+    build_sliced_descs,
+    concat_descs,
+    pair_slices,
+    slices_from_wire,
+    split_compatible,
+    total_heads,
+)
 from kv_transfer.messages import (
     Abort,
     ControlMsg,
@@ -48,6 +58,7 @@ class _DecodePeer:
     reg: Register
     nixl_name: str
     last_seen: float
+    pairs: list[tuple[HeadSlice, HeadSlice, HeadPair]]  # which of our slices writes which heads of theirs
 
 
 @dataclass
@@ -104,7 +115,7 @@ class PrefillSide(Side):
         cfg: TransferConfig,
         layout: KVLayout,
         endpoint: TransferEndpoint,
-        kv_bases: list[int],
+        slices: list[HeadSlice],
         aux: AuxBuffer,
         info: PrefillInfo,
         faults: FaultInjector,
@@ -112,7 +123,7 @@ class PrefillSide(Side):
     ) -> None:
         super().__init__(cfg=cfg, endpoint=endpoint, **kw)  # type: ignore[arg-type]
         self.layout = layout
-        self.kv_bases = kv_bases
+        self.slices = slices
         self.aux = aux
         self.aux_slots = AuxSlotAllocator(aux.num_slots)
         self.info = info
@@ -170,11 +181,15 @@ class PrefillSide(Side):
         if msg.protocol_version != self.info.protocol_version:
             reason = f"protocol version {msg.protocol_version} != {self.info.protocol_version}"
         else:
-            reason = self.layout.compatible_with(layout_from_wire(msg.layout))
+            remote = layout_from_wire(msg.layout)
+            try:
+                theirs = slices_from_wire(msg.head_slices, msg.k_bases, msg.v_bases, remote)
+            except ValueError as e:
+                theirs, reason = [], f"decode sent inconsistent KV buffers: {e}"
+            if reason is None:
+                reason = split_compatible(self.layout, total_heads(self.slices), remote, total_heads(theirs))
         if reason is None and msg.aux_row_bytes != self.aux.row_bytes:
             reason = f"aux row bytes {msg.aux_row_bytes} != {self.aux.row_bytes}"
-        if reason is None and len(msg.k_bases) != self.layout.num_layers:
-            reason = "decode sent the wrong number of layer buffers"
         if reason is None:
             reason = memory_type_mismatch(self.endpoint.kv_mem_type, msg.kv_mem_type)
         if reason is None:
@@ -185,7 +200,8 @@ class PrefillSide(Side):
             except EndpointError as e:
                 reason, cause = str(e), FailureCause.HANDSHAKE
             else:
-                self.peers[identity] = _DecodePeer(identity, msg, name, now)
+                pairs = [(self.slices[p.src], theirs[p.dst], p) for p in pair_slices(self.slices, theirs)]
+                self.peers[identity] = _DecodePeer(identity, msg, name, now, pairs)
                 self.reply(identity, RegisterAck(self.info))
                 return
         self.log.warning("refused decode %s: %s", msg.agent_name, reason)
@@ -314,8 +330,10 @@ class PrefillSide(Side):
             return
         dst = dst_pages[room.next_dst : room.next_dst + pages.size]
         runs = coalesce_pages(pages, dst)
-        remote_bases = peer.reg.k_bases + peer.reg.v_bases
-        descs = build_descs(runs, self.layout.page_bytes, self.kv_bases, remote_bases, self.endpoint.kv_device, peer.reg.kv_device)
+        descs = concat_descs([
+            build_sliced_descs(runs, self.layout, src, dst_slice, pair, self.endpoint.kv_device, peer.reg.kv_device)
+            for src, dst_slice, pair in peer.pairs
+        ])
         if room.first_post is None:
             room.first_post = time.monotonic()
         xfer = self.endpoint.post_write(descs.local, descs.remote, self.endpoint.kv_mem_type, peer.nixl_name, descs.nbytes)

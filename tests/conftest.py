@@ -8,7 +8,8 @@ Tiers (markers, assigned here from each test's file so no test is left without o
     slow         marked in the test itself (the real default model); any tier may add it
 
 Stable names, used across test packages:
-    tiny_checkpoint(arch) -> str       factory, arch in llama | qwen2 | qwen3 | mistral
+    tiny_checkpoint(arch, **overrides) -> str   factory, arch in llama | qwen2 | qwen3 | mistral;
+                                       overrides of build_tiny_checkpoint (num_kv_heads=4, ...)
     tiny_llama_path, tiny_qwen2_path, tiny_qwen3_path, tiny_mistral_path -> str
     default_model_path -> str          SmolLM2-135M-Instruct converted into the user cache
                                        (converted once per machine, ~12 s the first time)
@@ -28,6 +29,7 @@ TESTS = Path(__file__).resolve().parent
 PROC_PATHS = (
     "bench/test_serving_bench.py",
     "compat/",
+    "engine/test_tensor_parallel.py",
     "kv_transfer/test_bench_quick.py",
     "kv_transfer/test_kill.py",
     "kv_transfer/test_many_rooms.py",
@@ -36,6 +38,7 @@ PROC_PATHS = (
     "pd/test_pd_e2e.py",
     "pd/test_pd_multiturn.py",
     "pd/test_pd_router_multiturn.py",
+    "pd/test_pd_tp.py",
     "pd/test_pd_transfer_health.py",
     "router/",
     "security/",
@@ -61,13 +64,16 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 @pytest.fixture(scope="session")
-def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], str]:
-    built: dict[str, str] = {}
+def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., str]:
+    """make(arch, **overrides): overrides go to build_tiny_checkpoint (e.g. num_kv_heads=4)."""
+    built: dict[tuple[str, tuple[tuple[str, object], ...]], str] = {}
 
-    def make(arch: str) -> str:
-        if arch not in built:
-            built[arch] = str(build_tiny_checkpoint(tmp_path_factory.mktemp(f"tiny-{arch}"), arch))
-        return built[arch]
+    def make(arch: str, **overrides: object) -> str:
+        key = (arch, tuple(sorted(overrides.items())))
+        if key not in built:
+            name = "-".join([f"tiny-{arch}", *(f"{k}{v}" for k, v in key[1])])
+            built[key] = str(build_tiny_checkpoint(tmp_path_factory.mktemp(name), arch, **overrides))  # type: ignore[arg-type]
+        return built[key]
 
     return make
 

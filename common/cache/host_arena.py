@@ -20,6 +20,7 @@ import ctypes
 import ctypes.util
 import logging
 import math
+import os
 import sys
 
 import torch
@@ -65,4 +66,31 @@ def alloc_host_buffers(shapes: list[tuple[int, ...]], dtype: torch.dtype) -> lis
     return out
 
 
-__all__ = ["HUGE_PAGE", "alloc_host_buffers"]
+def shared_host_buffers(path: str, shapes: list[tuple[int, ...]], dtype: torch.dtype, *, create: bool) -> list[torch.Tensor]:
+    """Contiguous CPU tensors of `shapes`, back to back (64-byte aligned) in one MAP_SHARED
+    file mapping at `path` (a tmpfs such as /dev/shm: memory, not disk). create=True makes the
+    file (zeroed, 0600, must not exist); create=False maps the file another process made, so
+    both see the same bytes (a TP instance's rank 0 reads and NIXL-registers every rank's KV)."""
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    sizes = [itemsize * math.prod(s) for s in shapes]
+    offsets, total = [], 0
+    for size in sizes:
+        offsets.append(total)
+        total += _round_up(size, 64)
+    if create:
+        st = os.statvfs(os.path.dirname(path) or ".")
+        if st.f_bavail * st.f_frsize < total:  # a tmpfs past its size SIGBUSes on first touch
+            raise MemoryError(f"{os.path.dirname(path)} has {st.f_bavail * st.f_frsize / 2**30:.2f} GiB free, the KV "
+                              f"pool needs {total / 2**30:.2f} GiB (lower --kv-cache-gb / --max-total-tokens)")
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        try:
+            os.ftruncate(fd, total)
+        finally:
+            os.close(fd)
+    elif os.path.getsize(path) != total:
+        raise ValueError(f"{path} holds {os.path.getsize(path)} bytes, expected {total}")
+    arena = torch.from_file(path, shared=True, size=total, dtype=torch.uint8)
+    return [arena[off : off + size].view(dtype).view(shape) for shape, size, off in zip(shapes, sizes, offsets, strict=True)]
+
+
+__all__ = ["HUGE_PAGE", "alloc_host_buffers", "shared_host_buffers"]

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from common.cache.host_arena import alloc_host_buffers
+from common.cache.host_arena import alloc_host_buffers, shared_host_buffers
 from common.model.device_streams import DeviceStreams, HostStreams
 
 
@@ -67,19 +67,32 @@ class KVPool:
         dtype: torch.dtype,
         device: torch.device | str = "cpu",
         streams: DeviceStreams | None = None,
+        shared_path: str | None = None,
+        attach: bool = False,
+        kv_head_start: int = 0,
     ) -> None:
-        """streams: orders the host copies of retraction after the worker's queued steps."""
+        """streams: orders the host copies of retraction after the worker's queued steps.
+        shared_path (CPU): the buffers live in that shared file mapping (a TP rank's slice, which
+        rank 0 maps too); attach=True maps an existing one instead of creating it.
+        kv_head_start: the model's first KV head held here (a TP rank's slice; 0 otherwise)."""
         assert num_pages >= 2, "need the reserved page 0 plus at least one usable page"
         self.num_layers = num_layers
         self.num_pages = num_pages
         self.page_size = page_size
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
+        self.kv_head_start = kv_head_start
         self.dtype = dtype
         self.device = torch.device(device)
         self.streams = streams or HostStreams(self.device)
         shape = (num_pages * page_size, num_kv_heads, head_dim)
-        if self.device.type == "cpu":
+        # Other TP ranks' pools as this process maps them (rank 0 of a TP instance on CPU): retraction
+        # copies and KV transfers cover every rank's heads through them.
+        self.rank_views: list[KVPool] = []
+        if shared_path is not None:
+            buffers = shared_host_buffers(shared_path, [shape] * (2 * num_layers), dtype, create=not attach)
+            self.k_buffers, self.v_buffers = buffers[:num_layers], buffers[num_layers:]
+        elif self.device.type == "cpu":
             buffers = alloc_host_buffers([shape] * (2 * num_layers), dtype)
             self.k_buffers, self.v_buffers = buffers[:num_layers], buffers[num_layers:]
         else:
@@ -116,23 +129,36 @@ class KVPool:
         self._flat(self.k_buffers[layer])[slots] = k.reshape(n, -1).to(self.dtype)
         self._flat(self.v_buffers[layer])[slots] = v.reshape(n, -1).to(self.dtype)
 
+    def attach_rank_views(self, paths: list[str], kv_head_starts: list[int]) -> None:
+        """Map the pools of the other TP ranks (same shape as this one) from their shared files."""
+        self.rank_views = [
+            KVPool(num_layers=self.num_layers, num_pages=self.num_pages, page_size=self.page_size,
+                   num_kv_heads=self.num_kv_heads, head_dim=self.head_dim, dtype=self.dtype,
+                   shared_path=path, attach=True, kv_head_start=start)
+            for path, start in zip(paths, kv_head_starts, strict=True)
+        ]
+
     def host_copy_bytes(self, num_tokens: int) -> int:
-        """Bytes copy_slots_to_host returns for `num_tokens` slots (K and V, every layer)."""
-        return 2 * self.num_layers * num_tokens * self.layout.page_bytes // self.layout.page_size
+        """Bytes copy_slots_to_host returns for `num_tokens` slots (K and V, every layer, every rank)."""
+        ranks = 1 + len(self.rank_views)
+        return ranks * 2 * self.num_layers * num_tokens * self.layout.page_bytes // self.layout.page_size
 
     def copy_slots_to_host(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """[layers, n, heads * dim] host copies of K and V at `slots` (decode retraction)."""
+        """[layers, n, ranks * heads * dim] host copies of K and V at `slots` (decode retraction)."""
         self.streams.scheduler_waits_for_worker()
-        k = torch.stack([self._flat(buf)[slots] for buf in self.k_buffers]).cpu()
-        v = torch.stack([self._flat(buf)[slots] for buf in self.v_buffers]).cpu()
+        pools = [self, *self.rank_views]
+        k = torch.cat([torch.stack([p._flat(buf)[slots] for buf in p.k_buffers]).cpu() for p in pools], dim=-1)
+        v = torch.cat([torch.stack([p._flat(buf)[slots] for buf in p.v_buffers]).cpu() for p in pools], dim=-1)
         return k, v
 
     def restore_slots_from_host(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """The inverse of copy_slots_to_host; the worker's next step waits for it."""
         self.streams.scheduler_waits_for_worker()
-        for layer in range(self.num_layers):
-            self._flat(self.k_buffers[layer])[slots] = k[layer].to(self.device)
-            self._flat(self.v_buffers[layer])[slots] = v[layer].to(self.device)
+        pools = [self, *self.rank_views]
+        for pool, pk, pv in zip(pools, k.chunk(len(pools), dim=-1), v.chunk(len(pools), dim=-1), strict=True):
+            for layer in range(self.num_layers):
+                pool._flat(pool.k_buffers[layer])[slots] = pk[layer].to(self.device)
+                pool._flat(pool.v_buffers[layer])[slots] = pv[layer].to(self.device)
 
     @staticmethod
     def pages_for_budget(

@@ -25,6 +25,7 @@ from common.model.forward_batch import ForwardBatch
 from common.model.fused_ops import TorchOps
 from common.model.packed_linear import PackedLinear, prepack_linears
 from common.model.rope import RopeTable, RotaryEmbedding
+from common.model.tensor_parallel import NO_TP, TPGroup, TPShard
 
 TORCH_OPS = TorchOps()
 
@@ -44,13 +45,14 @@ class RMSNorm(nn.Module):
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config: ModelConfig, layer_id: int, dtype: torch.dtype) -> None:
+    def __init__(self, config: ModelConfig, layer_id: int, dtype: torch.dtype, shard: TPShard, tp: TPGroup) -> None:
         super().__init__()
         self.layer_id = layer_id
-        self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
-        self.sizes = [config.q_size, config.kv_size, config.kv_size]
+        self.tp = tp
+        self.num_heads, self.num_kv_heads, self.head_dim = shard.num_heads, shard.num_kv_heads, config.head_dim
+        self.sizes = [shard.q_size, shard.kv_size, shard.kv_size]
         self.qkv_proj = nn.Linear(config.hidden_size, sum(self.sizes), bias=config.qkv_bias, dtype=dtype)
-        self.o_proj = nn.Linear(config.q_size, config.hidden_size, bias=config.o_bias, dtype=dtype)
+        self.o_proj = nn.Linear(shard.q_size, config.hidden_size, bias=config.o_bias, dtype=dtype)
         self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps, dtype) if config.qk_norm else None
         self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps, dtype) if config.qk_norm else None
 
@@ -71,7 +73,7 @@ class LlamaAttention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = rope.apply(q, k)
         _write_kv(kv_pool, self.layer_id, batch.out_cache_loc, k, v)
-        return self.o_proj(backend.forward(q, k, v, self.layer_id, batch))
+        return self.tp.all_reduce(self.o_proj(backend.forward(q, k, v, self.layer_id, batch)))
 
 
 def _write_kv(pool: KVPool, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -83,20 +85,21 @@ def _write_kv(pool: KVPool, layer: int, slots: torch.Tensor, k: torch.Tensor, v:
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config: ModelConfig, dtype: torch.dtype) -> None:
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, shard: TPShard, tp: TPGroup) -> None:
         super().__init__()
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False, dtype=dtype)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False, dtype=dtype)
+        self.tp = tp
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * shard.intermediate_size, bias=False, dtype=dtype)
+        self.down_proj = nn.Linear(shard.intermediate_size, config.hidden_size, bias=False, dtype=dtype)
 
     def forward(self, x: torch.Tensor, ops: TorchOps) -> torch.Tensor:
-        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
+        return self.tp.all_reduce(self.down_proj(ops.silu_and_mul(self.gate_up_proj(x))))
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer_id: int, dtype: torch.dtype) -> None:
+    def __init__(self, config: ModelConfig, layer_id: int, dtype: torch.dtype, shard: TPShard, tp: TPGroup) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(config, layer_id, dtype)
-        self.mlp = LlamaMLP(config, dtype)
+        self.self_attn = LlamaAttention(config, layer_id, dtype, shard, tp)
+        self.mlp = LlamaMLP(config, dtype, shard, tp)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
 
@@ -121,11 +124,28 @@ class LlamaDecoderLayer(nn.Module):
         return self.mlp(h, ops), residual
 
 
+class VocabParallelEmbedding(nn.Embedding):
+    """nn.Embedding over this rank's vocab rows; ids elsewhere read zeros, summed across ranks."""
+
+    def __init__(self, shard: TPShard, hidden_size: int, dtype: torch.dtype, tp: TPGroup) -> None:
+        super().__init__(shard.vocab_size, hidden_size, dtype=dtype)
+        self.vocab_start = shard.vocab_start
+        self.tp = tp
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:
+            return super().forward(ids)
+        local = ids - self.vocab_start
+        outside = (local < 0) | (local >= self.num_embeddings)
+        x = F.embedding(local.masked_fill(outside, 0), self.weight).masked_fill(outside[:, None], 0.0)
+        return self.tp.all_reduce(x)
+
+
 class LlamaModel(nn.Module):
-    def __init__(self, config: ModelConfig, dtype: torch.dtype) -> None:
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, shard: TPShard, tp: TPGroup) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype)
-        self.layers = nn.ModuleList([LlamaDecoderLayer(config, i, dtype) for i in range(config.num_layers)])
+        self.embed_tokens = VocabParallelEmbedding(shard, config.hidden_size, dtype, tp)
+        self.layers = nn.ModuleList([LlamaDecoderLayer(config, i, dtype, shard, tp) for i in range(config.num_layers)])
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
 
 
@@ -134,17 +154,28 @@ class LlamaForCausalLM(nn.Module):
 
     Build it under `torch.device("meta")` and materialise with `to_empty` + the loader;
     `rope` is built separately on the real device (it is a table, not a parameter).
+    Under tensor parallelism (tensor_parallel.py) it holds `shard` of the weights and joins
+    the other ranks through `tp` in every forward.
     """
 
-    def __init__(self, config: ModelConfig, rope: RotaryEmbedding, dtype: torch.dtype) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        rope: RotaryEmbedding,
+        dtype: torch.dtype,
+        shard: TPShard | None = None,
+        tp: TPGroup = NO_TP,
+    ) -> None:
         super().__init__()
         self.config = config
+        self.shard = shard or TPShard.of(config)
+        self.tp = tp
         self.rope = rope
-        self.model = LlamaModel(config, dtype)
+        self.model = LlamaModel(config, dtype, self.shard, tp)
         self.lm_head = (
             None
             if config.tie_word_embeddings
-            else nn.Linear(config.hidden_size, config.vocab_size, bias=False, dtype=dtype)
+            else nn.Linear(config.hidden_size, self.shard.vocab_size, bias=False, dtype=dtype)
         )
         self.packed_head: PackedLinear | None = None  # set by prepack_for_cpu
         self.ops: TorchOps = TORCH_OPS  # the runner picks flashinfer's fused kernels where they run
@@ -173,6 +204,8 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.packed_head is not None:
-            return self.packed_head(hidden).float()
-        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+            logits = self.packed_head(hidden).float()
+        else:
+            weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+            logits = F.linear(hidden, weight).float()
+        return self.tp.gather_vocab(logits, self.config.vocab_size)

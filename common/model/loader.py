@@ -7,7 +7,8 @@ Checkpoint names map onto our parameters one to one, except the fused projection
 
 Every parameter (and every shard of a fused one) must be written exactly once;
 anything missing, unexpected or of the wrong shape raises WeightLoadError
-naming the tensors, before the model is used.
+naming the tensors, before the model is used. Under tensor parallelism each rank reads
+only its slice of every tensor (TPShard.checkpoint_slice).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from safetensors import safe_open
 from common.model.config import ModelConfig
 from common.model.llama import LlamaForCausalLM
 from common.model.rope import RotaryEmbedding
+from common.model.tensor_parallel import NO_TP, TPGroup, TPShard
 
 _FUSED = re.compile(r"^(.*)\.(q_proj|k_proj|v_proj|gate_proj|up_proj)\.(weight|bias)$")
 _FUSED_INTO = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2)}
@@ -33,27 +35,35 @@ class WeightLoadError(RuntimeError):
     """The checkpoint's tensors do not fit the model (the message names them)."""
 
 
-def build_model(config: ModelConfig, *, dtype: torch.dtype, device: torch.device | str) -> LlamaForCausalLM:
-    """Allocate the model on `device` in `dtype` and load the checkpoint at config.model_path."""
+def build_model(
+    config: ModelConfig,
+    *,
+    dtype: torch.dtype,
+    device: torch.device | str,
+    shard: TPShard | None = None,
+    tp: TPGroup = NO_TP,
+) -> LlamaForCausalLM:
+    """Allocate the model (or this rank's `shard` of it) on `device` in `dtype` and load the
+    checkpoint at config.model_path."""
     rope = RotaryEmbedding(config, device)
     with torch.device("meta"):
-        model = LlamaForCausalLM(config, rope, dtype)
+        model = LlamaForCausalLM(config, rope, dtype, shard, tp)
     model.to_empty(device=device)
     load_weights(model, config.model_path)
     return model.eval()
 
 
-def _splits(config: ModelConfig) -> dict[str, list[int]]:
-    """Rows of each shard of the fused parameters, in order."""
+def _splits(shard: TPShard) -> dict[str, list[int]]:
+    """Rows of each part of the fused parameters (as this rank holds them), in order."""
     return {
-        "qkv_proj": [config.q_size, config.kv_size, config.kv_size],
-        "gate_up_proj": [config.intermediate_size, config.intermediate_size],
+        "qkv_proj": [shard.q_size, shard.kv_size, shard.kv_size],
+        "gate_up_proj": [shard.intermediate_size, shard.intermediate_size],
     }
 
 
 def _expected_shards(model: LlamaForCausalLM) -> dict[tuple[str, int], int]:
     """(parameter, first row) -> rows, for every shard the checkpoint must provide."""
-    splits = _splits(model.config)
+    splits = _splits(model.shard)
     shards: dict[tuple[str, int], int] = {}
     for name, p in model.named_parameters():
         start = 0
@@ -63,14 +73,14 @@ def _expected_shards(model: LlamaForCausalLM) -> dict[tuple[str, int], int]:
     return shards
 
 
-def _target(config: ModelConfig, name: str) -> tuple[str, int]:
+def _target(shard: TPShard, name: str) -> tuple[str, int]:
     """Checkpoint tensor name -> (our parameter, first row)."""
     m = _FUSED.match(name)
     if m is None:
         return name, 0
     prefix, proj, kind = m.groups()
     fused, index = _FUSED_INTO[proj]
-    return f"{prefix}.{fused}.{kind}", sum(_splits(config)[fused][:index])
+    return f"{prefix}.{fused}.{kind}", sum(_splits(shard)[fused][:index])
 
 
 def checkpoint_files(model_path: str | Path) -> list[Path]:
@@ -99,13 +109,15 @@ def load_weights(model: LlamaForCausalLM, model_path: str | Path) -> None:
             for name in f.keys():
                 if _IGNORED.search(name) or (name == "lm_head.weight" and config.tie_word_embeddings):
                     continue
-                pname, start = _target(config, name)
+                pname, start = _target(model.shard, name)
                 rows = todo.pop((pname, start), None)
                 if rows is None:
                     unexpected.append(name)
                     continue
                 param = params[pname]
-                tensor = f.get_tensor(name)
+                # TP: read only this rank's part of the tensor
+                lazy = f.get_tensor(name) if model.shard.size == 1 else f.get_slice(name)
+                tensor = model.shard.checkpoint_slice(name, lazy)
                 expected = (rows, *param.shape[1:])
                 if tuple(tensor.shape) != expected:
                     raise WeightLoadError(f"{file.name}: {name} has shape {tuple(tensor.shape)}, expected {expected}")

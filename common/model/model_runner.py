@@ -23,6 +23,7 @@ from common.model.forward_batch import ForwardBatch, ForwardMode
 from common.model.fused_ops import select_fused_ops
 from common.model.loader import build_model
 from common.model.packed_linear import prepack_supported
+from common.model.tensor_parallel import NO_TP, TPGroup, TPShard
 
 logger = logging.getLogger(__name__)
 
@@ -39,6 +40,7 @@ class ModelRunner:
         attention_backend: str = "auto",
         cpu_weight_prepack: bool = True,
         streams: DeviceStreams | None = None,
+        tp: TPGroup = NO_TP,
     ) -> None:
         """model_path: an HF checkpoint dir (see default_model.resolve_model_path for "default").
         kv_pool: the pool, or a function that builds it, called once the weights are loaded (so a
@@ -46,8 +48,12 @@ class ModelRunner:
         cpu_weight_prepack: on CPU, run the linears through oneDNN on weights packed once
         (packed_linear.py; where the dtype is native to the CPU).
         streams: host <-> device staging and ordering of the worker (device_streams.py); by
-        default the device's own (a worker stream on CUDA)."""
+        default the device's own (a worker stream on CUDA).
+        tp: this rank's tensor-parallel group; the runner holds its TPShard of the weights and
+        the KV pool holds that shard's KV heads."""
         self.model_config = ModelConfig.from_pretrained(model_path)
+        self.tp = tp
+        self.shard = TPShard.of(self.model_config, tp.rank, tp.size)
         self.device = torch.device(device)
         self.dtype = resolve_dtype(dtype, self.device)
         self.req_to_token = req_to_token
@@ -55,7 +61,7 @@ class ModelRunner:
         if isinstance(kv_pool, KVPool):
             self._check_kv_memory(kv_pool)
         start = time.perf_counter()
-        self.model = build_model(self.model_config, dtype=self.dtype, device=self.device)
+        self.model = build_model(self.model_config, dtype=self.dtype, device=self.device, shard=self.shard, tp=tp)
         self.model.ops = select_fused_ops(self.device, self.dtype)
         self.weights_prepacked = cpu_weight_prepack and prepack_supported(self.device, self.dtype)
         if self.weights_prepacked:
@@ -75,8 +81,8 @@ class ModelRunner:
             self._check_kv_memory(kv_pool)
         self.kv_pool = kv_pool
         shape = AttentionShape(
-            num_heads=self.model_config.num_heads,
-            num_kv_heads=self.model_config.num_kv_heads,
+            num_heads=self.shard.num_heads,
+            num_kv_heads=self.shard.num_kv_heads,
             head_dim=self.model_config.head_dim,
             scaling=self.model_config.head_dim**-0.5,
         )
@@ -86,7 +92,7 @@ class ModelRunner:
         )
 
     def _check_kv_memory(self, kv_pool: KVPool) -> None:
-        _check_pool(self.model_config, kv_pool, self.device)
+        _check_pool(self.model_config, self.shard, kv_pool, self.device)
         if self.req_to_token.device != kv_pool.device:
             raise ValueError(f"req_to_token is on {self.req_to_token.device}, the KV pool on {kv_pool.device}")
 
@@ -141,8 +147,11 @@ class ModelRunner:
         dtype: str | torch.dtype = "auto",
         device: torch.device | str = "cpu",
         streams: DeviceStreams | None = None,
+        shard: TPShard | None = None,
+        shared_path: str | None = None,
     ) -> KVPool:
-        """A pool holding at least `max_total_tokens` token slots (plus the reserved page 0)."""
+        """A pool holding at least `max_total_tokens` token slots (plus the reserved page 0), of
+        `shard`'s KV heads (default: all of them)."""
         if max_total_tokens < 1 or page_size < 1:
             raise ValueError(f"need max_total_tokens >= 1 and page_size >= 1, got {max_total_tokens}, {page_size}")
         num_pages = 1 + (max_total_tokens + page_size - 1) // page_size
@@ -150,21 +159,25 @@ class ModelRunner:
             num_layers=config.num_layers,
             num_pages=num_pages,
             page_size=page_size,
-            num_kv_heads=config.num_kv_heads,
+            num_kv_heads=(shard or TPShard.of(config)).num_kv_heads,
+            kv_head_start=(shard or TPShard.of(config)).kv_head_start,
             head_dim=config.head_dim,
             dtype=resolve_dtype(dtype, device),
             device=device,
             streams=streams,
+            shared_path=shared_path,
         )
 
     @staticmethod
-    def kv_bytes_per_token(config: ModelConfig, dtype: str | torch.dtype = "auto", device: str = "cpu") -> int:
+    def kv_bytes_per_token(
+        config: ModelConfig, dtype: str | torch.dtype = "auto", device: str = "cpu", shard: TPShard | None = None
+    ) -> int:
         itemsize = torch.empty((), dtype=resolve_dtype(dtype, device)).element_size()
-        return 2 * config.num_layers * config.kv_size * itemsize
+        return 2 * config.num_layers * (shard or TPShard.of(config)).kv_size * itemsize
 
 
-def _check_pool(config: ModelConfig, pool: KVPool, device: torch.device) -> None:
-    want = (config.num_layers, config.num_kv_heads, config.head_dim)
+def _check_pool(config: ModelConfig, shard: TPShard, pool: KVPool, device: torch.device) -> None:
+    want = (config.num_layers, shard.num_kv_heads, config.head_dim)
     have = (pool.num_layers, pool.num_kv_heads, pool.head_dim)
     if want != have:
         raise ValueError(f"KV pool (layers, kv_heads, head_dim) = {have} does not fit the model's {want}")

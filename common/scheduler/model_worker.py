@@ -100,6 +100,7 @@ class TorchModelWorker:
             streams=self.streams,
         )
         out = self.sampler.sample(logits if everyone else logits[index], info)
+        self.runner.tp.broadcast_(out.next_token_ids)  # TP: every rank feeds rank 0's tokens back
         self.future_tokens[future] = out.next_token_ids
         wanted = [out.next_token_ids]
         if out.logprobs is not None:

@@ -21,6 +21,7 @@ from common.engine_core import EngineCore, build_engine_core
 from common.scheduler.req import Req
 from common.scheduler.role import COLOCATED, RoleSpec
 from common.scheduler.scheduler import RequestRejected
+from common.scheduler.tp_worker import RankGone
 from common.server.io_struct import (
     AbortReq,
     BatchTokenOut,
@@ -106,29 +107,38 @@ class EngineLoop:
         elif isinstance(msg, StatsReq):
             self.channel.send(StatsResp(seq=msg.seq, stats=self.stats(), unhealthy=self.health_problem()))
 
-    def _parent_alive(self) -> bool:
+    def _peers_alive(self) -> bool:
+        """The frontend (parent) and, under TP, every other rank; checked once per PARENT_CHECK_S."""
         now = time.monotonic()
         if now - self._last_parent_check < PARENT_CHECK_S:
             return True
         self._last_parent_check = now
-        return os.getppid() == self._parent
+        if os.getppid() != self._parent:
+            logger.warning("frontend process is gone; engine exits")
+            return False
+        ranks = self.core.tp_ranks
+        dead = ranks.dead_reason() if ranks is not None else None
+        if dead is not None:
+            raise RankGone(f"{dead}; the instance cannot serve without it")
+        return True
 
     def run(self, step_clock: StepClock | None = None) -> None:
         """step_clock: where each step's start and end go (the frontend's /health reads it)."""
-        while self.running:
-            if self.scheduler.has_runnable_work:
-                wait = 0.0
-            elif self.scheduler.has_work:
-                wait = WAITING_ON_PEERS_S  # only transfers in progress: poll them, don't spin
-            else:
-                wait = IDLE_WAIT_S
-            for msg in self.channel.recv_requests(wait):
-                self.handle(msg)
-            self.core.run_iteration(lambda: stepping(step_clock))
-            if not self._parent_alive():
-                logger.warning("frontend process is gone; engine exits")
-                break
-        self.shutdown()
+        try:
+            while self.running:
+                if self.scheduler.has_runnable_work:
+                    wait = 0.0
+                elif self.scheduler.has_work:
+                    wait = WAITING_ON_PEERS_S  # only transfers in progress: poll them, don't spin
+                else:
+                    wait = IDLE_WAIT_S
+                for msg in self.channel.recv_requests(wait):
+                    self.handle(msg)
+                self.core.run_iteration(lambda: stepping(step_clock))
+                if not self._peers_alive():
+                    break
+        finally:
+            self.shutdown()
 
 
 def engine_main(args: ServerArgs, addrs: EngineIpcAddrs, role: RoleSpec = COLOCATED) -> None:

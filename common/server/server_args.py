@@ -39,6 +39,7 @@ class ServerArgs:
     dtype: str = "auto"
     device: str = "auto"
     base_gpu_id: int = 0
+    tp_size: int = 1
     # HTTP
     host: str = "127.0.0.1"
     port: int = 30000
@@ -111,7 +112,7 @@ class ServerArgs:
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 return f"--{_flag(name)} must be one of {', '.join(allowed)}, got {getattr(self, name)!r}"
-        positive = ("page_size", "max_prefill_tokens", "max_running_requests", "engine_start_timeout",
+        positive = ("tp_size", "page_size", "max_prefill_tokens", "max_running_requests", "engine_start_timeout",
                     "header_timeout", "max_stream_backlog")
         for name in positive:
             if getattr(self, name) <= 0:
@@ -244,6 +245,8 @@ _HELP: dict[str, str] = {
     "dtype": "weight and KV dtype",
     "device": "auto = cuda when available, else cpu",
     "base_gpu_id": "CUDA device index of this instance (cuda:N); pd.sh --gpus-per-host sets it per instance",
+    "tp_size": "tensor parallelism: the engine runs as this many rank processes joined by torch.distributed "
+    "(gloo on CPU, NCCL on CUDA; rank r on cuda:base_gpu_id+r); alias --tensor-parallel-size",
     "host": "HTTP bind address",
     "port": "HTTP port",
     "cluster_secret_file": "file holding the cluster secret (default: $PDSERVE_CLUSTER_SECRET); every endpoint but "
@@ -303,6 +306,10 @@ _HELP: dict[str, str] = {
 }
 
 
+# Other spellings of a flag (SGLang's and vLLM's).
+_ALIASES: dict[str, tuple[str, ...]] = {"tp_size": ("--tensor-parallel-size",)}
+
+
 def _flag(name: str) -> str:
     return name.replace("_", "-")
 
@@ -327,7 +334,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
             kwargs["type"] = _parse_type(str(field.type))
             if field.name in choices:
                 kwargs["choices"] = choices[field.name]
-        parser.add_argument(f"--{_flag(field.name)}", dest=field.name, **kwargs)
+        parser.add_argument(f"--{_flag(field.name)}", *_ALIASES.get(field.name, ()), dest=field.name, **kwargs)
     return parser
 
 

@@ -15,6 +15,7 @@ from common.cache.kv_pool import KVLayout
 from kv_transfer.aux_buffer import AuxBuffer
 from kv_transfer.base import TransferConfig
 from kv_transfer.faults import FaultInjector, FaultSpec
+from kv_transfer.head_slices import HeadSlice
 from kv_transfer.messages import PROTOCOL_VERSION, PrefillInfo, Register, RegisterAck, RegisterRefused
 from kv_transfer.metrics import TransferMetrics
 from kv_transfer.prefill_side import PrefillSide
@@ -42,7 +43,7 @@ def prefill_side(endpoint: FakeEndpoint, replies: list[object]) -> PrefillSide:
     aux = AuxBuffer(4)
     info = PrefillInfo(PROTOCOL_VERSION, endpoint.name, "127.0.0.1", 1, layout_to_wire(LAYOUT), aux.row_bytes)
     side = PrefillSide(
-        cfg=TransferConfig(), layout=LAYOUT, endpoint=endpoint, kv_bases=[0] * LAYOUT.num_layers,  # type: ignore[arg-type]
+        cfg=TransferConfig(), layout=LAYOUT, endpoint=endpoint, slices=[HeadSlice(0, LAYOUT.num_kv_heads, [0] * 2 * LAYOUT.num_layers)],  # type: ignore[arg-type]
         aux=aux, info=info, faults=FaultInjector(FaultSpec()), metrics=TransferMetrics("prefill"),
         fail=lambda *_: True, poller=zmq.Poller(), ctx=zmq.Context.instance(),
     )

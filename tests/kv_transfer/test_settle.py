@@ -16,6 +16,7 @@ from kv_transfer.aux_buffer import AuxBuffer
 from kv_transfer.base import FailureCause, KVPoll, TransferConfig
 from kv_transfer.faults import FaultInjector, FaultSpec
 from kv_transfer.handles import KVSender
+from kv_transfer.head_slices import HeadSlice
 from kv_transfer.messages import ControlMsg, PrefillInfo, Status
 from kv_transfer.metrics import TransferMetrics
 from kv_transfer.nixl_endpoint import NixlError, PostedXfer
@@ -53,7 +54,7 @@ class FakeEndpoint:
 class RecordingSide(PrefillSide):
     def __init__(self, endpoint: FakeEndpoint, cfg: TransferConfig) -> None:
         info = PrefillInfo(1, "prefill-test", "127.0.0.1", 1, layout_to_wire(LAYOUT), 384)
-        super().__init__(cfg=cfg, layout=LAYOUT, endpoint=endpoint, kv_bases=[0, 0], aux=AuxBuffer(2), info=info,
+        super().__init__(cfg=cfg, layout=LAYOUT, endpoint=endpoint, slices=[HeadSlice(0, LAYOUT.num_kv_heads, [0] * 2 * LAYOUT.num_layers)], aux=AuxBuffer(2), info=info,
                          faults=FaultInjector(FaultSpec()), metrics=TransferMetrics("prefill"),
                          fail=lambda cell, cause, reason: cell.fail(cause, reason), poller=zmq.Poller(), ctx=None)
         self.replies: list[tuple[float, ControlMsg]] = []
@@ -64,7 +65,7 @@ class RecordingSide(PrefillSide):
 
     def start_room(self) -> KVSender:
         sender = KVSender("rid", 7, submit=lambda cmd: None, fail=lambda cell, cause, reason: cell.fail(cause, reason))
-        peer = _DecodePeer(b"decode", None, "decode-agent", 0.0)  # type: ignore[arg-type]
+        peer = _DecodePeer(b"decode", None, "decode-agent", 0.0, [])  # type: ignore[arg-type]
         self.peers[peer.identity] = peer
         room = _Room(sender, 0.0, peer=peer)
         room.outstanding.append(PostedXfer(object(), 4096, 1))

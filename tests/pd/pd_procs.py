@@ -67,7 +67,7 @@ class RoleProcess:
         return None
 
     def engine_pid(self) -> int:
-        return int(httpx.get(self.url + "/server_info", timeout=5.0).json()["pools"]["pid"])
+        return int(httpx.get(self.url + "/server_info", timeout=5.0).json()["engine_pid"])
 
     def kill9(self) -> None:
         """kill -9 the whole instance (frontend and engine)."""

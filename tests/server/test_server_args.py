@@ -90,3 +90,11 @@ def test_invalid_combinations_fail_with_the_flag_name(kwargs: dict[str, object],
 def test_cli_rejects_unknown_choices() -> None:
     with pytest.raises(SystemExit):
         parse_server_args(["--disaggregation-mode", "both"])
+
+
+def test_tp_size_flag_and_its_alias() -> None:
+    assert parse_server_args([]).tp_size == 1
+    assert parse_server_args(["--tp-size", "2"]).tp_size == 2
+    assert parse_server_args(["--tensor-parallel-size", "4"]).tp_size == 4
+    with pytest.raises(ValueError, match="--tp-size must be > 0"):
+        ServerArgs(tp_size=0)

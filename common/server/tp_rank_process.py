@@ -1,0 +1,46 @@
+"""The body of TP rank r > 0 (started by TPRanks in rank 0's engine process).
+
+    join the group -> build this rank's RankWorker (its shard, its KV pool slice) -> barrier
+    -> TPFollower.serve(): run rank 0's steps until TPStop or until rank 0 is gone
+
+An exception (a collective that fails because another rank died) ends the process with
+code 1, which rank 0 sees; rank 0 gone ends it too, so no rank outlives its instance.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+
+from common.server.engine_handle import configure_logging
+from common.server.server_args import ServerArgs
+from common.server.tp_ranks import TPAddrs, init_tp_group, set_rank_threads
+
+logger = logging.getLogger(__name__)
+
+
+def tp_rank_main(args: ServerArgs, rank: int, addrs: TPAddrs, parent_pid: int) -> None:
+    configure_logging(args.log_level)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the frontend owns Ctrl-C
+    try:
+        _serve(args, rank, addrs, parent_pid)
+    except Exception:
+        logger.exception("TP rank %d failed", rank)
+        sys.exit(1)
+
+
+def _serve(args: ServerArgs, rank: int, addrs: TPAddrs, parent_pid: int) -> None:
+    from common.engine_core import build_rank_worker
+    from common.model.device import resolve_device
+    from common.scheduler.tp_worker import TPFollower
+
+    device = resolve_device(args.device, args.base_gpu_id + rank)
+    set_rank_threads(device, args.tp_size)
+    tp = init_tp_group(rank, args.tp_size, addrs, device, args.engine_start_timeout)
+    rw = build_rank_worker(args, tp, kv_shared_path=addrs.kv_pools[rank])
+    follower = TPFollower(rw.worker, addrs.steps[rank - 1])
+    tp.barrier()
+    logger.info("TP rank %d of %d ready on %s (%d KV heads)", rank, tp.size, device, rw.runner.kv_pool.num_kv_heads)
+    follower.serve(lambda: os.getppid() == parent_pid)

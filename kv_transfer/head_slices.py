@@ -1,0 +1,129 @@
+"""KV heads split across tensor-parallel ranks, and WRITE descriptors between two such splits.
+
+Each side of a transfer publishes one HeadSlice per TP rank (TP 1: one slice of every head):
+its first KV head, its head count and the base address of each layer buffer (K layers, then
+V layers). Within a slice a token's heads are contiguous (kv_pool.py):
+
+    slot s of a layer buffer: [ head start+0 | head start+1 | ... ]   token_bytes = heads * head_bytes
+
+A prefill split a -> decode split b: every destination slice gets each of its heads from the
+first source slice that holds it (with replicated heads, kv_heads < tp, one copy is read and
+every replica written). Where the two slices hold the same heads a page run is one descriptor
+per layer buffer (build_descs); otherwise each token's overlapping heads are one descriptor.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import numpy as np
+
+from common.cache.kv_pool import KVLayout
+from kv_transfer.descriptors import DescArrays, PageRuns, build_descs
+
+MAX_SLICES = 64  # TP ranks a peer may declare (each costs descriptors on every send)
+
+
+@dataclass(frozen=True)
+class HeadSlice:
+    start: int  # first KV head held
+    num: int  # KV heads held
+    bases: list[int]  # address of each layer buffer: K of layers 0..L-1, then V of layers 0..L-1
+
+
+class HeadPair(NamedTuple):
+    src: int  # index of the source slice
+    dst: int  # index of the destination slice
+    first: int  # heads [first, end) go from src to dst
+    end: int
+
+
+def total_heads(slices: list[HeadSlice]) -> int:
+    return max(s.start + s.num for s in slices)
+
+
+def wire_slices(slices: list[HeadSlice]) -> list[list[int]]:
+    """[[start, num], ...] (the bases travel as the message's k_bases / v_bases)."""
+    return [[s.start, s.num] for s in slices]
+
+
+def slices_from_wire(heads: list[list[int]], k_bases: list[int], v_bases: list[int], layout: KVLayout) -> list[HeadSlice]:
+    """A peer's slices from its message; no `heads` (an older peer): one slice of every head.
+    Raises ValueError when the bases do not match the slices."""
+    spans = heads or [[0, layout.num_kv_heads]]
+    if len(spans) > MAX_SLICES or any(len(span) != 2 for span in spans):
+        raise ValueError(f"{len(spans)} head slices (at most {MAX_SLICES} pairs [first head, heads])")
+    n = layout.num_layers
+    if len(k_bases) != n * len(spans) or len(v_bases) != n * len(spans):
+        raise ValueError(f"{len(k_bases)} K / {len(v_bases)} V buffers for {len(spans)} slice(s) of {n} layers")
+    if any(num != layout.num_kv_heads or start < 0 for start, num in spans):
+        raise ValueError(f"head slices {spans} do not hold {layout.num_kv_heads} heads each")
+    return [
+        HeadSlice(start, num, [*k_bases[i * n : (i + 1) * n], *v_bases[i * n : (i + 1) * n]])
+        for i, (start, num) in enumerate(spans)
+    ]
+
+
+def split_compatible(local: KVLayout, local_heads: int, remote: KVLayout, remote_heads: int) -> str | None:
+    """None when KV can move between the two splits (same model KV, any TP), else the reason."""
+    for name in ("num_layers", "page_size", "head_dim", "dtype"):
+        if getattr(local, name) != getattr(remote, name):
+            return f"KV layout mismatch: {name} {getattr(local, name)} != {getattr(remote, name)}"
+    if local_heads != remote_heads:
+        return f"KV layout mismatch: {local_heads} KV heads != {remote_heads}"
+    return None
+
+
+def pair_slices(src: list[HeadSlice], dst: list[HeadSlice]) -> list[HeadPair]:
+    """Which source slice writes which heads of each destination slice."""
+    pairs = []
+    for j, d in enumerate(dst):
+        head = d.start
+        while head < d.start + d.num:
+            i = next(i for i, s in enumerate(src) if s.start <= head < s.start + s.num)
+            end = min(src[i].start + src[i].num, d.start + d.num)
+            pairs.append(HeadPair(i, j, head, end))
+            head = end
+    return pairs
+
+
+def build_sliced_descs(
+    runs: PageRuns,
+    layout: KVLayout,
+    src: HeadSlice,
+    dst: HeadSlice,
+    pair: HeadPair,
+    local_dev: int = 0,
+    remote_dev: int = 0,
+) -> DescArrays:
+    """Descriptors writing heads [pair.first, pair.end) of `runs`' pages from src to dst
+    (`layout`: page size, head_dim and dtype, which both sides share)."""
+    head_bytes = layout.head_dim * layout.itemsize
+    if (src.start, src.num) == (dst.start, dst.num):
+        return build_descs(runs, layout.page_size * src.num * head_bytes, src.bases, dst.bases, local_dev, remote_dev)
+    ps = layout.page_size
+    counts = runs.num_pages * ps
+    within = np.arange(int(counts.sum()), dtype=np.int64) - np.repeat(np.cumsum(counts) - counts, counts)
+    src_tok = np.repeat(runs.src_start * ps, counts) + within
+    dst_tok = np.repeat(runs.dst_start * ps, counts) + within
+    length = (pair.end - pair.first) * head_bytes
+    src_off = (src_tok * src.num * head_bytes + (pair.first - src.start) * head_bytes).astype(np.uint64)
+    dst_off = (dst_tok * dst.num * head_bytes + (pair.first - dst.start) * head_bytes).astype(np.uint64)
+    nbuf, ntok = len(src.bases), src_off.size
+    local = np.empty((nbuf * ntok, 3), dtype=np.uint64)
+    remote = np.empty((nbuf * ntok, 3), dtype=np.uint64)
+    local[:, 0] = (np.asarray(src.bases, dtype=np.uint64)[:, None] + src_off[None, :]).ravel()
+    remote[:, 0] = (np.asarray(dst.bases, dtype=np.uint64)[:, None] + dst_off[None, :]).ravel()
+    local[:, 1] = remote[:, 1] = length
+    local[:, 2] = local_dev
+    remote[:, 2] = remote_dev
+    return DescArrays(local, remote, nbuf * ntok * length)
+
+
+def concat_descs(parts: list[DescArrays]) -> DescArrays:
+    if len(parts) == 1:
+        return parts[0]
+    return DescArrays(
+        np.concatenate([p.local for p in parts]), np.concatenate([p.remote for p in parts]), sum(p.nbytes for p in parts)
+    )

@@ -1,0 +1,55 @@
+"""--tp-size 2 in the colocated engine: rank 0 here plus one spawned rank process, gloo on CPU.
+
+Greedy output equals transformers (and so TP 1, which tests/engine pins there) on three
+checkpoints: KV heads split (4 -> 2 per rank, qwen3's q/k norms; llama's 2 -> 1 per rank) and
+replicated (qwen2, 1 KV head on both ranks, qkv bias, tied embeddings so the vocab-parallel
+logits come from the embedding shard). Prompts longer than a chunk prefill in pieces; a
+second round hits the radix cache; the overlap loop runs the steps.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import random
+import tempfile
+from collections.abc import Callable, Iterator
+
+import pytest
+
+from common.engine import Engine
+from tests.engine.test_engine_parity import check_parity, workload
+
+CHECKPOINTS = {
+    "qwen3-kv4": ("qwen3", {"num_kv_heads": 4}),
+    "llama-kv2": ("llama", {}),
+    "qwen2-kv1-tied": ("qwen2", {"num_kv_heads": 1, "tie_word_embeddings": True}),
+}
+
+
+@pytest.fixture(scope="module", params=list(CHECKPOINTS), ids=list(CHECKPOINTS))
+def tp_engine(request: pytest.FixtureRequest, tiny_checkpoint: Callable[..., str]) -> Iterator[tuple[Engine, str]]:
+    arch, overrides = CHECKPOINTS[request.param]
+    path = tiny_checkpoint(arch, **overrides)
+    engine = Engine(path, dtype="float32", page_size=4, chunked_prefill_size=32, max_prefill_tokens=96,
+                    max_total_tokens=4096, tp_size=2, enable_cpu_overlap_schedule=True)
+    try:
+        yield engine, path
+    finally:
+        engine.shutdown()
+
+
+def test_tp2_greedy_equals_transformers(tp_engine: tuple[Engine, str]) -> None:
+    engine, path = tp_engine
+    kv_heads = engine.core.model_config.num_kv_heads
+    assert engine.core.tp_ranks is not None and engine.core.tp_ranks.dead_reason() is None
+    assert engine.core.kv_pool.num_kv_heads == max(1, kv_heads // 2)
+    # the ranks' meeting files (store, KV pool mappings) are gone once everyone joined
+    assert glob.glob(f"{tempfile.gettempdir()}/pdserve_tp_{os.getpid()}_*") + glob.glob(
+        f"/dev/shm/pdserve_tp_{os.getpid()}_*") == []
+    rng = random.Random(5)
+    shared = [rng.randrange(3, engine.vocab_size) for _ in range(40)]
+    first = workload(engine.vocab_size, 6, seed=2, shared=shared)
+    check_parity(engine, path, first, 10)
+    outs = check_parity(engine, path, [p + [5, 6, 7] for p in first[:3]], 6)
+    assert sum(o["meta_info"]["cached_tokens"] for o in outs) > 0
