@@ -8,6 +8,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+from tests.harness.process import stop_all
 from tests.pd.pd_procs import PDPair, RoleProcess, start_pair
 from tests.router.router_procs import RouterProc
 
@@ -34,8 +35,5 @@ def running_cluster(model: Path) -> Iterator[Cluster]:
         router.wait_ready(timeout=60)
         yield Cluster(model, pair, router, colocated)
     finally:
-        if router is not None:
-            router.stop()
-        if pair is not None:
-            pair.stop()
-        colocated.stop()
+        procs = [router, *((pair.prefill, pair.decode) if pair is not None else ()), colocated]
+        stop_all([p.child for p in procs if p is not None])

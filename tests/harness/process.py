@@ -6,6 +6,7 @@
                                  exits, and every failure carries the log's tail
     .wait_http(url, ...)         the same for an HTTP path answering (a given status)
     .stop()                      SIGTERM to the PID, then SIGKILL to its whole group
+    stop_all(children)           the same for several at once, their shutdowns overlapped
     reap_all()                   SIGKILL to every group still alive (end of the session)
     free_port()                  a port no other test process on this machine holds
     wait_until(cond, timeout_s)  the single polling helper (bool; callers assert with context)
@@ -86,6 +87,25 @@ def wait_until(cond: Callable[[], bool], timeout_s: float, period_s: float = 0.0
             return True
         time.sleep(period_s)
     return cond()
+
+
+def stop_all(children: list[ChildProcess], timeout_s: float = 15.0) -> None:
+    """close() several children, their shutdowns overlapped: SIGTERM to every leader first,
+    then one shared wait, then SIGKILL to every group (an instance takes seconds to stop)."""
+    live = [c for c in children if c.alive and c.popen is not None]
+    for c in live:
+        c.signal_group(signal.SIGCONT)
+        assert c.popen is not None
+        c.popen.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + timeout_s
+    for c in live:
+        assert c.popen is not None
+        try:
+            c.popen.wait(max(deadline - time.monotonic(), 0.01))
+        except subprocess.TimeoutExpired:
+            pass
+    for c in children:
+        c.close()
 
 
 def pid_alive(pid: int) -> bool:

@@ -14,7 +14,7 @@ from typing import Any
 
 import httpx
 
-from tests.harness.process import REPO_ROOT, ChildProcess, free_port, wait_until
+from tests.harness.process import REPO_ROOT, ChildProcess, free_port, stop_all, wait_until
 
 __all__ = ["REPO_ROOT", "START_TIMEOUT_S", "PDPair", "PDResult", "RoleProcess", "free_port", "start_pair", "wait_until"]
 
@@ -143,8 +143,7 @@ class PDPair:
         )
 
     def stop(self) -> None:
-        self.prefill.stop()
-        self.decode.stop()
+        stop_all([self.prefill.child, self.decode.child])
 
 
 def start_pair(model_dir: Path, prefill_flags: list[str], decode_flags: list[str]) -> PDPair:

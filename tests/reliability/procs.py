@@ -18,7 +18,7 @@ from pathlib import Path
 
 import httpx
 
-from tests.harness.process import REPO_ROOT, ChildProcess, free_port, wait_until
+from tests.harness.process import REPO_ROOT, ChildProcess, free_port, stop_all, wait_until
 
 __all__ = ["REPO_ROOT", "START_TIMEOUT_S", "IDLE_ZERO", "Instance", "spawn_all", "wait_whole"]
 
@@ -151,6 +151,5 @@ def spawn_all(instances: list[Instance]) -> None:
         for inst in instances:
             inst.wait_healthy()
     except BaseException:
-        for inst in instances:
-            inst.stop()
+        stop_all([inst.child for inst in instances])
         raise

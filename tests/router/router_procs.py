@@ -10,7 +10,7 @@ from typing import IO, Any
 
 import httpx
 
-from tests.harness.process import ChildProcess, free_port
+from tests.harness.process import ChildProcess, free_port, stop_all
 
 __all__ = ["ADMIN", "ADMIN_KEY", "Cluster", "Proc", "RouterProc", "StubWorker", "free_port", "pd_args"]
 
@@ -157,5 +157,4 @@ class Cluster:
         return r, ps, ds
 
     def stop(self) -> None:
-        for p in reversed(self.procs):
-            p.stop()
+        stop_all([p.child for p in reversed(self.procs)], timeout_s=5.0)
