@@ -23,6 +23,7 @@ from pathlib import Path
 import pytest
 
 from common.model.testing import build_tiny_checkpoint
+from tests.harness.process import reap_all
 
 TESTS = Path(__file__).resolve().parent
 # Files whose tests start processes; everything else outside tests/reliability is `unit`.
@@ -30,6 +31,7 @@ PROC_PATHS = (
     "bench/test_serving_bench.py",
     "compat/",
     "engine/test_tensor_parallel.py",
+    "harness/",
     "kv_transfer/test_bench_quick.py",
     "kv_transfer/test_kill.py",
     "kv_transfer/test_many_rooms.py",
@@ -61,6 +63,10 @@ def tier_of(path: Path) -> str:
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
         item.add_marker(getattr(pytest.mark, tier_of(Path(str(item.fspath)))))
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    reap_all()  # a process no fixture stopped (its test failed half-way) does not outlive the run
 
 
 @pytest.fixture(scope="session")

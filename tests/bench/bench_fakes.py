@@ -7,14 +7,14 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
 import httpx
 
-from tests.server.server_procs import free_port  # noqa: E402
+from tests.harness.process import ChildProcess, free_port
+
+__all__ = ["BENCH", "HERE", "REPO", "FakeServer", "free_port"]
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
@@ -23,36 +23,25 @@ if str(BENCH) not in sys.path:
     sys.path.insert(0, str(BENCH))
 
 
-
-
 class FakeServer:
     """tests/bench/fake_openai_server.py in a subprocess on 127.0.0.1."""
 
     def __init__(self, model_path: str) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.log = tempfile.TemporaryFile()
         argv = [sys.executable, str(HERE / "fake_openai_server.py"), "--port", str(self.port),
                 "--model-path", model_path]
-        self.popen = subprocess.Popen(argv, stdout=self.log, stderr=subprocess.STDOUT)
+        self.child = ChildProcess(argv, "fake_openai")
         try:
-            self._wait_ready(30.0)
+            self.child.wait_http(self.url + "/fake/stats", 30.0, period_s=0.05)
         except BaseException:
             self.stop()
             raise
 
-    def _wait_ready(self, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.popen.poll() is not None:
-                self.log.seek(0)
-                raise RuntimeError(f"fake server exited: {self.log.read().decode(errors='replace')[-2000:]}")
-            try:
-                httpx.get(self.url + "/fake/stats", timeout=1.0).raise_for_status()
-                return
-            except httpx.HTTPError:
-                time.sleep(0.05)
-        raise TimeoutError(f"fake server on {self.url} not ready after {timeout}s")
+    @property
+    def popen(self) -> subprocess.Popen[bytes]:
+        assert self.child.popen is not None
+        return self.child.popen
 
     def control(self, **knobs: Any) -> None:
         httpx.post(self.url + "/fake/control", json=knobs, timeout=5).raise_for_status()
@@ -63,11 +52,5 @@ class FakeServer:
         return r.json()  # type: ignore[no-any-return]
 
     def stop(self) -> None:
-        if self.popen.poll() is None:
-            self.popen.terminate()
-            try:
-                self.popen.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                self.popen.kill()
-                self.popen.wait(timeout=5)
-        self.log.close()
+        self.child.stop(timeout_s=5.0)
+        self.child.close()

@@ -9,7 +9,8 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 
 import pytest
-from bench_fakes import FakeServer
+
+from tests.bench.bench_fakes import FakeServer
 
 
 @pytest.fixture(scope="session")

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.compat.conftest import Cluster
+from tests.compat.cluster import Cluster
 from tests.compat.sglang_bench import bench_serving_root
 
 NUM_PROMPTS = 8

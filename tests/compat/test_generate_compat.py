@@ -11,7 +11,7 @@ import pytest
 
 from common.server.server_args import ServerArgs
 from router.config import RouterConfig
-from tests.compat.conftest import Cluster
+from tests.compat.cluster import Cluster
 
 # What sglang.bench_serving --backend sglang sends (its defaults), plus other documented fields.
 SGLANG_DEFAULTS = {

@@ -13,7 +13,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from tests.compat.conftest import Cluster
+from tests.compat.cluster import Cluster
 
 DOCS = [
     {"question": "The sky is", "choices": ["blue", "green", "loud"], "answer": 0},

@@ -12,9 +12,9 @@ import httpx
 import pytest
 from openapi_spec_validator import validate
 
-from tests.compat.conftest import Cluster
+from tests.compat.cluster import Cluster
 
-MAX_EXAMPLES = 100  # per operation: a few hundred requests in all
+MAX_EXAMPLES = 50  # per operation, seeded: all 6 operations, ~150 requests (100: 303 requests, 212 s; 50: 7 s)
 
 
 def test_documents_are_valid_openapi(cluster: Cluster) -> None:

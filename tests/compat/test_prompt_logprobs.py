@@ -11,7 +11,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from tests.compat.conftest import Cluster
+from tests.compat.cluster import Cluster
 
 PROMPT = "The quick brown fox jumps over the lazy dog, and then it runs back home again."
 ATOL = 1e-4

@@ -4,7 +4,6 @@ in-process decode manager driven like a scheduler. Processes are always killed."
 
 from __future__ import annotations
 
-import random
 import sys
 from pathlib import Path
 
@@ -12,39 +11,11 @@ from pathlib import Path
 # package as a namespace package; the repo root first makes `kv_transfer` the real one.
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from collections.abc import Iterator
-from dataclasses import dataclass
 
 import pytest
 
-from common.cache.kv_pool import KVPool
-from kv_transfer import AuxBuffer, AuxSlotAllocator, KVManager
-from tests.kv_transfer.harness import Driver, PoolSpec, Worker, make_manager
-
-
-class PageAlloc:
-    """Hands out distinct decode pages (1..num_pages-1, page 0 reserved) for tests."""
-
-    def __init__(self, num_pages: int, seed: int = 0) -> None:
-        self.free = list(range(1, num_pages))
-        random.Random(seed).shuffle(self.free)
-
-    def take(self, n: int) -> list[int]:
-        out, self.free = self.free[:n], self.free[n:]
-        assert len(out) == n, "test pool exhausted"
-        return out
-
-    def put(self, pages: list[int]) -> None:
-        self.free.extend(pages)
-
-
-@dataclass
-class DecodeSide:
-    mgr: KVManager
-    driver: Driver
-    aux: AuxBuffer
-    slots: AuxSlotAllocator
-    pages: PageAlloc
-    pool: KVPool
+from kv_transfer import AuxSlotAllocator
+from tests.kv_transfer.harness import DecodeSide, Driver, PageAlloc, PoolSpec, Worker, make_manager
 
 
 @pytest.fixture(scope="module")

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import random
 import signal
 import time
 import traceback
@@ -25,7 +26,8 @@ import torch
 
 from common.cache.kv_pool import KVPool
 from common.cluster_secret import ClusterSecret
-from kv_transfer import AuxBuffer, AuxRow, KVManager, KVManagerArgs, KVPoll, TransferConfig
+from kv_transfer import AuxBuffer, AuxRow, AuxSlotAllocator, KVManager, KVManagerArgs, KVPoll, TransferConfig
+from tests.harness.process import wait_until
 
 CANARY = 0x5A
 FAST = dict(
@@ -95,11 +97,8 @@ def make_manager(role: str, spec: PoolSpec, seed: int | None, **cfg: Any) -> tup
 
 
 def wait_for(pred: Callable[[], bool], timeout: float, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout
-    while not pred():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(0.005)
+    if not wait_until(pred, timeout, period_s=0.005):
+        raise TimeoutError(f"timed out after {timeout}s waiting for {what}")
 
 
 @dataclass
@@ -253,3 +252,29 @@ class Worker:
         if self.proc.is_alive() and self.proc.pid is not None:
             os.kill(self.proc.pid, signal.SIGKILL)
             self.proc.join(5)
+
+
+class PageAlloc:
+    """Hands out distinct decode pages (1..num_pages-1, page 0 reserved) for tests."""
+
+    def __init__(self, num_pages: int, seed: int = 0) -> None:
+        self.free = list(range(1, num_pages))
+        random.Random(seed).shuffle(self.free)
+
+    def take(self, n: int) -> list[int]:
+        out, self.free = self.free[:n], self.free[n:]
+        assert len(out) == n, "test pool exhausted"
+        return out
+
+    def put(self, pages: list[int]) -> None:
+        self.free.extend(pages)
+
+
+@dataclass
+class DecodeSide:
+    mgr: KVManager
+    driver: Driver
+    aux: AuxBuffer
+    slots: AuxSlotAllocator
+    pages: PageAlloc
+    pool: KVPool

@@ -12,8 +12,7 @@ import pytest
 import torch
 
 from kv_transfer import FailureCause, KVPoll, query_bootstrap
-from tests.kv_transfer.conftest import DecodeSide
-from tests.kv_transfer.harness import PoolSpec, Worker, make_manager, make_pool, page_bytes
+from tests.kv_transfer.harness import DecodeSide, PoolSpec, Worker, make_manager, make_pool, page_bytes
 
 F, B, W, T, S = KVPoll.Failed, KVPoll.Bootstrapping, KVPoll.WaitingForInput, KVPoll.Transferring, KVPoll.Success
 _REF = {}
@@ -87,10 +86,9 @@ def test_bootstrap_info(prefill: Worker, decode: DecodeSide) -> None:
 def test_bootstrap_timeout_on_prefill(prefill: Worker) -> None:
     room = new_room()
     prefill.call("room", room=room, chunks=[[1]])
-    t0 = time.monotonic()
+    # failed by the 1 s bootstrap timer (the cause says so), waited for at most 5 s
     state, reason, cause, _ = prefill_state(prefill, room, F, timeout=5)
     assert cause == FailureCause.BOOTSTRAP_TIMEOUT.value and "bootstrap timeout" in reason
-    assert time.monotonic() - t0 < 3.0
 
 
 def test_dropped_status_is_a_transfer_timeout(prefill: Worker, decode: DecodeSide) -> None:
@@ -211,9 +209,9 @@ def test_decode_abort_while_transferring(prefill: Worker, decode: DecodeSide, mi
     assert h.poll() == F
     if mid_transfer:  # a write is in flight (posts take 150 ms each): the pages stay held
         assert not h.pages_releasable(), "pages must stay held until prefill drained"
-    t0 = time.monotonic()
     finish(decode, room, dst)
-    assert time.monotonic() - t0 < 2.5, "released by prefill's ack, not by the 3 s drain timeout"
+    assert h.drain_deadline is not None and time.monotonic() < h.drain_deadline, (
+        "released by prefill's ack, not by the drain timeout")
     _, reason, cause, _ = prefill_state(prefill, room, F)
     assert cause == FailureCause.ABORTED.value
 

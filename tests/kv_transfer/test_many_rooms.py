@@ -8,8 +8,16 @@ import pytest
 import torch
 
 from kv_transfer import AuxSlotAllocator, KVPoll
-from tests.kv_transfer.conftest import PageAlloc
-from tests.kv_transfer.harness import CANARY, Driver, PoolSpec, Worker, make_manager, make_pool, page_bytes
+from tests.kv_transfer.harness import (
+    CANARY,
+    Driver,
+    PageAlloc,
+    PoolSpec,
+    Worker,
+    make_manager,
+    make_pool,
+    page_bytes,
+)
 
 
 def _room_plan(rng: random.Random, alloc: PageAlloc, src_pages: int) -> tuple[list[int], list[list[int]]]:

@@ -54,5 +54,5 @@ def test_dead_thread_fails_everything_and_releases_pages(prefill: Worker) -> Non
     finally:
         t0 = time.monotonic()
         mgr.shutdown()
-        assert time.monotonic() - t0 < 2.0
+        assert time.monotonic() - t0 < mgr.cfg.shutdown_timeout_s, "shutdown waited for the dead thread's join timeout"
         prefill.call("abort", room=room)

@@ -12,11 +12,13 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+from tests.harness.process import REPO_ROOT, ChildProcess
+
+__all__ = ["PD_SH", "READY_MARK", "REPO_ROOT", "RoleRecord", "PdLaunch", "group_alive"]
+
 PD_SH = REPO_ROOT / "launch" / "pd.sh"
 READY_MARK = "pd.sh: READY"
 START_TIMEOUT_S = 180.0
@@ -51,28 +53,19 @@ class PdLaunch:
     def __init__(self, args: list[str], log_dir: Path, *, env: dict[str, str] | None = None) -> None:
         self.log_dir = log_dir
         self.out_path = log_dir.parent / f"{log_dir.name}.pd_sh.out"
-        self._out = self.out_path.open("wb")
-        self.proc = subprocess.Popen(
-            ["bash", str(PD_SH), "--log-dir", str(log_dir), "--stop-timeout", "15", *args],
-            cwd=REPO_ROOT,
-            env={**os.environ, **(env or {})},
-            stdout=self._out,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
+        self.child = ChildProcess(["bash", str(PD_SH), "--log-dir", str(log_dir), "--stop-timeout", "15", *args],
+                                  "pd_sh", env=env, log_path=self.out_path, pythonpath=None)
+
+    @property
+    def proc(self) -> subprocess.Popen[bytes]:
+        assert self.child.popen is not None
+        return self.child.popen
 
     def output(self) -> str:
-        return self.out_path.read_text(errors="replace")
+        return self.child.log(tail=None)
 
     def wait_ready(self, timeout_s: float = START_TIMEOUT_S) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if READY_MARK in self.output():
-                return
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"pd.sh exited with {self.proc.returncode}:\n{self.output()[-4000:]}")
-            time.sleep(0.3)
-        raise TimeoutError(f"pd.sh not ready within {timeout_s}s:\n{self.output()[-4000:]}")
+        self.child.wait_for(lambda: READY_MARK in self.output(), timeout_s, "READY line", period_s=0.3)
 
     def wait_exit(self, timeout_s: float = STOP_TIMEOUT_S) -> int:
         return self.proc.wait(timeout_s)
@@ -97,12 +90,11 @@ class PdLaunch:
         return self.wait_exit()
 
     def kill_leftovers(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(10)
+        if self.child.alive:
+            self.child.kill9()
         for r in self.live_groups():
             try:
                 os.killpg(r.pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
-        self._out.close()
+        self.child.close()

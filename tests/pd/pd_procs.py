@@ -6,20 +6,18 @@ import asyncio
 import json
 import os
 import random
-import signal
 import subprocess
 import sys
-import tempfile
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import httpx
 
-from tests.server.server_procs import free_port, wait_until
+from tests.harness.process import REPO_ROOT, ChildProcess, free_port, stop_all, wait_until
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+__all__ = ["REPO_ROOT", "START_TIMEOUT_S", "PDPair", "PDResult", "RoleProcess", "free_port", "start_pair", "wait_until"]
+
 START_TIMEOUT_S = 120.0
 
 
@@ -31,17 +29,20 @@ class RoleProcess:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.bootstrap_port = free_port() if module == "prefill_server" else None
-        self._log = tempfile.NamedTemporaryFile(prefix=f"pd_{module}_", suffix=".log", delete=False)
         argv = [sys.executable, "-m", module, "--model-path", str(model_dir), "--port", str(self.port),
                 "--device", "cpu", "--log-level", os.environ.get("PDSERVE_TEST_LOG_LEVEL", "warning"),
                 "--incremental-streaming-output", *extra]  # these tests read delta streams (the default is cumulative)
         if self.bootstrap_port is not None:
             argv += ["--disaggregation-bootstrap-port", str(self.bootstrap_port)]
-        self.proc = subprocess.Popen(argv, cwd=REPO_ROOT, env={**os.environ, "PYTHONPATH": str(REPO_ROOT)},
-                                     stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
+        self.child = ChildProcess(argv, module)
+
+    @property
+    def proc(self) -> subprocess.Popen[bytes]:
+        assert self.child.popen is not None
+        return self.child.popen
 
     def log(self) -> str:
-        return Path(self._log.name).read_text(errors="replace")
+        return self.child.log(tail=None)
 
     def healthy(self) -> bool:
         try:
@@ -50,14 +51,7 @@ class RoleProcess:
             return False
 
     def wait_healthy(self, timeout_s: float = START_TIMEOUT_S) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"{self.module} exited with {self.proc.returncode}:\n{self.log()[-3000:]}")
-            if self.healthy():
-                return
-            time.sleep(0.3)
-        raise TimeoutError(f"{self.module} not healthy within {timeout_s}s:\n{self.log()[-3000:]}")
+        self.child.wait_http(self.url + "/health", timeout_s, period_s=0.3)
 
     def stat(self, name: str) -> float | None:
         text = httpx.get(self.url + "/metrics", timeout=10.0).text
@@ -71,25 +65,10 @@ class RoleProcess:
 
     def kill9(self) -> None:
         """kill -9 the whole instance (frontend and engine)."""
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        self.proc.wait(10)
+        self.child.kill9()
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(15)
-            except subprocess.TimeoutExpired:
-                self.kill9()
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)  # leftovers of the group, if any
-        except ProcessLookupError:
-            pass
-        self._log.close()
-        Path(self._log.name).unlink(missing_ok=True)
+        self.child.close()
 
 
 @dataclass
@@ -164,8 +143,7 @@ class PDPair:
         )
 
     def stop(self) -> None:
-        self.prefill.stop()
-        self.decode.stop()
+        stop_all([self.prefill.child, self.decode.child])
 
 
 def start_pair(model_dir: Path, prefill_flags: list[str], decode_flags: list[str]) -> PDPair:

@@ -20,10 +20,10 @@ from typing import Any
 
 import httpx
 
+from tests.harness.process import stop_all, wait_until
 from tests.reliability.client import Job, run_jobs
 from tests.reliability.procs import Instance, spawn_all, wait_whole
 from tests.router.router_procs import RouterProc
-from tests.server.server_procs import wait_until
 
 HB_INTERVAL_S = 0.5
 HB_TIMEOUT_S = 2.5
@@ -143,9 +143,7 @@ class Cluster:
             assert o.ok, f"warm-up request failed: {o}"
 
     def stop(self) -> None:
-        self.router.stop()
-        for inst in self.instances:
-            inst.stop()
+        stop_all([self.router.proc.child, *(inst.child for inst in self.instances)])
 
 
 def start_cluster(model_dir: Path) -> Cluster:

@@ -1,10 +1,10 @@
 """Real instances on fixed ports (kill -9, SIGSTOP/SIGCONT, restart on the same ports) and the
 pool checks every reliability scenario ends with.
 
-Instance owns one `python -m prefill_server|decode_server` process group at a time; every
-process it starts is reaped by `stop()` (the fixtures call it in a finally). Logs go to a
-temp file per instance, removed at stop unless PDSERVE_REL_KEEP_LOGS is set; the log level
-comes from PDSERVE_TEST_LOG_LEVEL (default warning).
+Instance owns one `python -m prefill_server|decode_server` process group at a time (a
+tests/harness/process.py ChildProcess); every process it starts is reaped by `stop()` (the
+fixtures call it in a finally). Logs go to a temp file per instance, removed at stop unless
+PDSERVE_TEST_KEEP_LOGS is set; the log level comes from PDSERVE_TEST_LOG_LEVEL (default warning).
 """
 
 from __future__ import annotations
@@ -13,15 +13,15 @@ import os
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import httpx
 
-from tests.server.server_procs import free_port, wait_until
+from tests.harness.process import REPO_ROOT, ChildProcess, free_port, stop_all, wait_until
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+__all__ = ["REPO_ROOT", "START_TIMEOUT_S", "IDLE_ZERO", "Instance", "spawn_all", "wait_whole"]
+
 START_TIMEOUT_S = 120.0
 
 # Gauges that must read 0 on an idle instance, per role.
@@ -44,35 +44,26 @@ class Instance:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.bootstrap_port = free_port() if role == "prefill" else None
-        self.proc: subprocess.Popen[bytes] | None = None
         self.restarts = 0
-        self._log = tempfile.NamedTemporaryFile(prefix=f"rel_{name}_", suffix=".log", delete=False)
-
-    # ---- lifecycle ------------------------------------------------------------------------------
-    def spawn(self) -> None:
-        """Start the process group (does not wait); the previous one must be gone."""
-        assert self.proc is None or self.proc.poll() is not None, f"{self.name} is still running"
         argv = [sys.executable, "-m", f"{self.role}_server", "--model-path", str(self.model_dir),
                 "--port", str(self.port), "--device", "cpu", "--dtype", "float32",
                 "--log-level", os.environ.get("PDSERVE_TEST_LOG_LEVEL", "warning"),
                 "--incremental-streaming-output", *self.flags]  # delta streams (the default is cumulative)
         if self.bootstrap_port is not None:
             argv += ["--disaggregation-bootstrap-port", str(self.bootstrap_port)]
-        self._log.write(f"\n==== start #{self.restarts} ====\n".encode())
-        self._log.flush()
-        self.proc = subprocess.Popen(argv, cwd=REPO_ROOT, env={**os.environ, "PYTHONPATH": str(REPO_ROOT)},
-                                     stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
+        self.child = ChildProcess(argv, f"rel_{name}", start=False)
+
+    @property
+    def proc(self) -> subprocess.Popen[bytes] | None:
+        return self.child.popen
+
+    # ---- lifecycle ------------------------------------------------------------------------------
+    def spawn(self) -> None:
+        """Start the process group (does not wait); the previous one must be gone."""
+        self.child.start()
 
     def wait_healthy(self, timeout_s: float = START_TIMEOUT_S) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            assert self.proc is not None
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"{self.name} exited with {self.proc.returncode}:\n{self.log()}")
-            if self.healthy():
-                return
-            time.sleep(0.2)
-        raise TimeoutError(f"{self.name} not healthy within {timeout_s}s:\n{self.log()}")
+        self.child.wait_for(self.healthy, timeout_s, "/health 200", period_s=0.2)
 
     def restart(self) -> None:
         """Spawn again on the same ports (after kill9); returns at once, see wait_healthy."""
@@ -81,45 +72,23 @@ class Instance:
 
     @property
     def alive(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
-
-    def _signal(self, sig: signal.Signals) -> None:
-        assert self.proc is not None
-        try:
-            os.killpg(self.proc.pid, sig)
-        except ProcessLookupError:
-            pass
+        return self.child.alive
 
     def kill9(self) -> None:
         """kill -9 the whole instance (frontend and engine)."""
-        if self.proc is None:
-            return
-        self._signal(signal.SIGKILL)
-        self.proc.wait(10)
+        self.child.kill9()
 
     def sigstop(self) -> None:
-        self._signal(signal.SIGSTOP)
+        self.child.signal_group(signal.SIGSTOP)
 
     def sigcont(self) -> None:
-        self._signal(signal.SIGCONT)
+        self.child.signal_group(signal.SIGCONT)
 
     def stop(self) -> None:
-        if self.proc is not None:
-            self._signal(signal.SIGCONT)
-            if self.proc.poll() is None:
-                self.proc.send_signal(signal.SIGTERM)
-                try:
-                    self.proc.wait(15)
-                except subprocess.TimeoutExpired:
-                    pass
-            self.kill9()  # leftovers of the group, if any
-        self._log.close()
-        if not os.environ.get("PDSERVE_REL_KEEP_LOGS"):
-            Path(self._log.name).unlink(missing_ok=True)
+        self.child.close()
 
     def log(self, tail: int = 3000) -> str:
-        self._log.flush()
-        return Path(self._log.name).read_text(errors="replace")[-tail:]
+        return self.child.log(tail)
 
     # ---- observation ----------------------------------------------------------------------------
     def healthy(self) -> bool:
@@ -182,6 +151,5 @@ def spawn_all(instances: list[Instance]) -> None:
         for inst in instances:
             inst.wait_healthy()
     except BaseException:
-        for inst in instances:
-            inst.stop()
+        stop_all([inst.child for inst in instances])
         raise

@@ -1,6 +1,6 @@
 """kill -9 a prefill or a decode instance while requests sit in each state.
 
-Each case holds requests in one state on the victim (checked on its /metrics), kills the
+Each case forces requests into one state on the victim (checked on its /metrics), kills the
 victim's whole process group, and then checks:
 - every affected client gets an error within the heartbeat bound (no hang);
 - every unaffected request (other instances, or already past the victim) completes with
@@ -9,6 +9,12 @@ victim's whole process group, and then checks:
   to it once the victim is restarted on the same ports;
 - every pool on every instance is whole at idle (decode holds the pages of a transfer a
   dead prefill may still have been writing until the drain timeout).
+
+A state is forced, never caught by luck: by sizes (more requests or tokens than the decode
+has slots or pages for), by the injected post delay (p_slow: each chunk's post takes >= 40 ms,
+a lower bound that load only lengthens), or by freezing (SIGSTOP) the peer that would move the
+requests on, re-reading the state after the freeze and killing before the thaw. No case is
+retried: a miss is a bug in the case or the code.
 """
 
 from __future__ import annotations
@@ -43,6 +49,8 @@ class Case:
     unaffected: Callable[[Cluster], list[Job]]
     # (instance, predicate) that must hold before the affected requests are sent
     before: Callable[[Cluster], tuple[Instance, StatePred]] | None = None
+    # SIGSTOPped once the state holds (it cannot move the requests on), SIGCONTed after the kill
+    freeze: str | None = None
     prefill_verdict: bool = False  # the prefill side must fail by itself (client does not cancel it)
     drains: str | None = None  # the decode that holds the affected pages until the drain timeout
     # streaming requests through the router during the kill: "retried" = every one completes
@@ -64,11 +72,12 @@ PREFILL_CASES = {
         "p_fast",
         state=lambda s: s["num_bootstrap_queue_reqs"] >= 3,
         affected=lambda c: _jobs(c.p_fast, c.d_small, 3, 40, 8, seed=1),
-        # long enough that blockers arriving one by one through p_slow's delayed posts overlap
         unaffected=lambda c: _jobs(c.p_slow, c.d_small, 8, 20, 600, seed=2),
-        # "full" = decode admits no more: a blocker waits in prealloc, or all 8 slots are taken
-        before=lambda c: (c.d_small, lambda s: s["num_prealloc_queue_reqs"] >= 1
-                          or s["num_running_reqs"] + s["num_transfer_queue_reqs"] >= 8),  # 8 = its max running
+        # all 8 blockers are on d_small (its max running, nothing else there): a later request
+        # queues behind them (prealloc is FIFO) and behind the 8 slots they hold, and no slot
+        # frees before a blocker's 600 tokens are out (a retracted one blocks admission too)
+        before=lambda c: (c.d_small, lambda s: s["num_prealloc_queue_reqs"] + s["num_transfer_queue_reqs"]
+                          + s["num_running_reqs"] + s["num_retracted_reqs"] >= 8),
     ),
     # long prompts, 16-token prefill steps: the victim is still computing when it dies.
     "computing": Case(
@@ -101,9 +110,11 @@ DECODE_CASES = {
     "transferring": Case(
         "d_small",
         state=lambda s: s["num_transfer_queue_reqs"] >= 3,  # all three handed their pages to prefill
-        affected=lambda c: _jobs(c.p_slow, c.d_small, 3, 120, 4, seed=13, cancel_prefill=False),
+        # 12 chunks + aux each, >= 40 ms per post: the window lasts >= 0.5 s; 3 x 48 pages fit d_small
+        affected=lambda c: _jobs(c.p_slow, c.d_small, 3, 192, 4, seed=13, cancel_prefill=False),
         unaffected=lambda c: _jobs(c.p_slow, c.d_big, 3, 64, 8, seed=14),
         prefill_verdict=True,
+        freeze="p_slow",  # no transfer completes between the last look and the kill
     ),
     "decoding": Case(
         "d_big",
@@ -134,8 +145,18 @@ def _run(c: Cluster, case: Case, model: str, state_name: str) -> None:
         _, n, length, max_new = case.router
         routed = RouterBatch(c.router.url, [(p, max_new) for p in prompts(n, length, seed=31)])
     hold(victim, case.state, state_name)
-    t_kill = time.monotonic()
-    victim.kill9()
+    frozen: Instance | None = getattr(c, case.freeze) if case.freeze is not None else None
+    if frozen is not None:
+        frozen.sigstop()
+    try:
+        for _ in range(2 if frozen is not None else 0):  # the second answer comes a whole engine loop later
+            snap = victim.stats()
+            assert case.state(snap), f"{victim.name} left {state_name} before {frozen and frozen.name} froze: {snap}"
+        t_kill = time.monotonic()
+        victim.kill9()
+    finally:
+        if frozen is not None:
+            frozen.sigcont()
     hit = affected.wait()
     assert_failed_within(hit, t_kill, HEARTBEAT_BOUND_S, side="decode", model=model)
     if case.prefill_verdict:
@@ -172,16 +193,11 @@ def _check_routed(case: Case, outcomes: list[RouterOutcome], t_kill: float, mode
                    for line in text.splitlines()), "no routed request was on the killed decode"
 
 
-# Each case must catch requests in one state at the moment of the kill; on this shared 2-core
-# box a run sometimes misses the window (e.g. the bootstrapping case needs decode full exactly
-# when its requests arrive, ~1 run in 3). Cases are retried (pytest-rerunfailures), not weakened.
-@pytest.mark.flaky(reruns=2)
 @pytest.mark.parametrize("state", list(PREFILL_CASES))
 def test_kill_prefill(whole_cluster: Cluster, tiny_llama_path: str, state: str) -> None:
     _run(whole_cluster, PREFILL_CASES[state], tiny_llama_path, state)
 
 
-@pytest.mark.flaky(reruns=2)
 @pytest.mark.parametrize("state", list(DECODE_CASES))
 def test_kill_decode(whole_cluster: Cluster, tiny_llama_path: str, state: str) -> None:
     _run(whole_cluster, DECODE_CASES[state], tiny_llama_path, state)

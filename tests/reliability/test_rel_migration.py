@@ -20,11 +20,11 @@ from typing import Any
 import httpx
 import pytest
 
+from tests.harness.process import stop_all, wait_until
 from tests.reliability.client import RouterBatch, RouterOutcome
 from tests.reliability.cluster import DECODE, HEARTBEAT_BOUND_S, PREFILL, Router
 from tests.reliability.procs import Instance, spawn_all, wait_whole
 from tests.reliability.scenario import prompts
-from tests.server.server_procs import wait_until
 
 N, MAX_NEW = 8, 300
 SAMPLING: list[dict[str, Any] | None] = [None] * 4 + [{"temperature": 1.0, "seed": 1000 + i} for i in range(4)]
@@ -56,10 +56,7 @@ def pd(tiny_llama_path: str) -> Iterator[PD]:
             r.wait_ready()
         yield PD(p, decodes, routers[0], routers[1])
     finally:
-        for r in routers:
-            r.stop()
-        for inst in (p, *decodes):
-            inst.stop()
+        stop_all([*(r.proc.child for r in routers), *(inst.child for inst in (p, *decodes))])
 
 
 def _prompts() -> list[list[int]]:

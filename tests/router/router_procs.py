@@ -3,80 +3,63 @@
 from __future__ import annotations
 
 import json
-import os
-import signal
 import subprocess
 import sys
-import tempfile
-import time
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import httpx
 
-from tests.server.server_procs import free_port  # noqa: E402
+from tests.harness.process import ChildProcess, free_port, stop_all
+
+__all__ = ["ADMIN", "ADMIN_KEY", "Cluster", "Proc", "RouterProc", "StubWorker", "free_port", "pd_args"]
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 
 
-
-
 class Proc:
+    """A router or stub worker process (a tests/harness/process.py ChildProcess)."""
+
     def __init__(self, argv: list[str], url: str, name: str, env: dict[str, str] | None = None,
                  preexec_fn: Any = None) -> None:
         self.url = url
         self.name = name
-        self.log = tempfile.NamedTemporaryFile(prefix=f"{name}-", suffix=".log", delete=False)
-        full_env = dict(os.environ, PYTHONPATH=f"{REPO}{os.pathsep}{HERE}", TOKENIZERS_PARALLELISM="false",
-                        **(env or {}))
-        self.popen = subprocess.Popen(argv, stdout=self.log, stderr=subprocess.STDOUT, env=full_env, cwd=REPO,
-                                      preexec_fn=preexec_fn)
+        self.child = ChildProcess(argv, name, env={"TOKENIZERS_PARALLELISM": "false", **(env or {})},
+                                  preexec_fn=preexec_fn)
+
+    @property
+    def popen(self) -> subprocess.Popen[bytes]:
+        assert self.child.popen is not None
+        return self.child.popen
+
+    @property
+    def log(self) -> IO[bytes]:
+        return self.child.log_file
 
     def wait_http(self, path: str, timeout: float = 60.0, status: int | None = None) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.popen.poll() is not None:
-                raise RuntimeError(f"{self.name} exited with {self.popen.returncode}:\n{self.output()}")
-            try:
-                r = httpx.get(self.url + path, timeout=1.0)
-                if status is None or r.status_code == status:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.05)
-        raise TimeoutError(f"{self.name}: {path} not answering after {timeout}s:\n{self.output()}")
+        self.child.wait_http(self.url + path, timeout, status, period_s=0.05)
 
     def output(self) -> str:
-        self.log.flush()
-        return Path(self.log.name).read_text(errors="replace")[-4000:]
+        return self.child.log()
 
     @property
     def alive(self) -> bool:
-        return self.popen.poll() is None
+        return self.child.alive
 
     def kill(self) -> None:
-        if self.alive:
-            self.popen.send_signal(signal.SIGKILL)
-        self.popen.wait(timeout=10)
+        self.child.kill9()
 
     def stop(self) -> None:
-        if self.alive:
-            self.popen.terminate()
-            try:
-                self.popen.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                self.popen.kill()
-                self.popen.wait(timeout=5)
-        self.log.close()
-        os.unlink(self.log.name)
+        self.child.stop(timeout_s=5.0)
+        self.child.close()
 
 
 class StubWorker(Proc):
     def __init__(self, role: str, port: int | None = None, *, wait: bool = True, **behavior: Any) -> None:
         self.role = role
         self.port = port or free_port()
-        code = "import sys, stub_worker; stub_worker.main(sys.argv[1:])"
+        code = "import sys; from tests.router import stub_worker; stub_worker.main(sys.argv[1:])"
         argv = [sys.executable, "-c", code, "--port", str(self.port), "--role", role,
                 "--behavior", json.dumps(behavior)]
         super().__init__(argv, f"http://127.0.0.1:{self.port}", f"stub-{role}-{self.port}")
@@ -133,3 +116,45 @@ def pd_args(prefills: list[StubWorker], decodes: list[StubWorker], *extra: str) 
     for d in decodes:
         args += ["--decode", d.url]
     return [*args, *extra]
+
+
+class Cluster:
+    """Stub workers + one router; everything started here is stopped by the fixture."""
+
+    def __init__(self, model: Path) -> None:
+        self.model = model
+        self.procs: list[Any] = []
+
+    def stub(self, role: str, **behavior: Any) -> StubWorker:
+        w = StubWorker(role, **behavior)
+        self.procs.append(w)
+        return w
+
+    def stubs(self, *roles: str) -> list[StubWorker]:
+        """Start several stubs at once (process start-up dominates test time)."""
+        out = [StubWorker(role, wait=False) for role in roles]
+        self.procs.extend(out)
+        for w in out:
+            w.wait_up()
+        return out
+
+    def router(self, args: list[str], *, wait: bool = True) -> RouterProc:
+        r = RouterProc(self.model, args, wait=wait)
+        self.procs.append(r)
+        return r
+
+    def pd(self, n_prefill: int = 1, n_decode: int = 1, *extra: str) -> tuple[RouterProc, list[StubWorker],
+                                                                               list[StubWorker]]:
+        """Stubs and router started together; returns once the router is ready."""
+        ps = [StubWorker("prefill", wait=False) for _ in range(n_prefill)]
+        ds = [StubWorker("decode", wait=False) for _ in range(n_decode)]
+        self.procs.extend(ps + ds)
+        r = self.router(pd_args(ps, ds, "--health-check-interval", "0.2", *extra), wait=False)
+        for w in ps + ds:
+            w.wait_up()
+        r.wait_up()
+        r.wait_ready()
+        return r, ps, ds
+
+    def stop(self) -> None:
+        stop_all([p.child for p in reversed(self.procs)], timeout_s=5.0)

@@ -7,7 +7,8 @@ from typing import Any
 
 import httpx
 import pytest
-from router_procs import RouterProc, StubWorker
+
+from tests.router.router_procs import RouterProc, StubWorker
 
 CTX = 1024  # build_tiny_checkpoint's max_position_embeddings
 C, CHAT, GEN = "/v1/completions", "/v1/chat/completions", "/generate"

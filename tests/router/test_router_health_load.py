@@ -16,14 +16,14 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from router_procs import ADMIN, RouterProc
 
 from tests.pd.pd_procs import start_pair
+from tests.router.router_procs import ADMIN, RouterProc
 
 FLAGS = ["--page-size", "16", "--max-total-tokens", "4096", "--max-running-requests", "4"]
 PROBES = ["--health-check-interval", "0.2", "--health-check-timeout", "0.5"]
 SLOW_STEP_S = 0.6
-GROUPS, CHATS_PER_GROUP = 4, 3  # 12 chats at once; each instance runs at most 4
+GROUPS, CHATS_PER_GROUP = 3, 2  # 6 chats at once; each instance runs at most 4
 RULES_PER_PROMPT = 12  # ~460 tokens of system prompt with the tiny tokenizer
 MAX_TOKENS = 8
 

@@ -17,9 +17,9 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from router_procs import RouterProc
 
 from tests.pd.pd_procs import RoleProcess, start_pair
+from tests.router.router_procs import RouterProc
 from tests.server.server_procs import pid_alive, wait_until
 
 FLAGS = ["--page-size", "16", "--max-total-tokens", "4096"]

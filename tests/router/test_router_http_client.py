@@ -6,9 +6,9 @@ import asyncio
 from collections.abc import Awaitable, Callable
 
 import pytest
-from router_procs import free_port
 
 from router.http_client import ConnectFailed, ConnectionLost, HttpClient
+from tests.router.router_procs import free_port
 
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
 

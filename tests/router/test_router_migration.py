@@ -10,9 +10,9 @@ from __future__ import annotations
 import json
 
 import httpx
-from conftest import Cluster
-from router_procs import RouterProc, pd_args
-from stub_worker import generate_ids, token_text
+
+from tests.router.router_procs import Cluster, RouterProc, pd_args
+from tests.router.stub_worker import generate_ids, token_text
 
 PROMPT = [5, 6, 7, 8]
 

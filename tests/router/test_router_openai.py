@@ -8,10 +8,10 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from router_procs import ADMIN, RouterProc, StubWorker
-from stub_worker import token_at, token_text
 
 from router.model_info import load_tokenizer
+from tests.router.router_procs import ADMIN, RouterProc, StubWorker
+from tests.router.stub_worker import token_at, token_text
 
 
 @pytest.fixture(scope="module")

@@ -9,9 +9,9 @@ from typing import Any
 
 import openai
 import pytest
-from router_procs import RouterProc
 
 from tests.pd.pd_procs import RoleProcess, start_pair
+from tests.router.router_procs import RouterProc
 
 PROMPTS = ["The quick brown fox", "What is the capital of France?", "KV cache pages move", "Hello"]
 MESSAGES = [[{"role": "user", "content": p}] for p in PROMPTS]

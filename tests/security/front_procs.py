@@ -17,6 +17,8 @@ from typing import Any
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+from tests.harness.process import wait_until
+
 DISTRO_SOFT_NOFILE = 1024  # the soft open-file limit most distributions start processes with
 
 
@@ -115,9 +117,4 @@ def metric(url: str, name: str, labels: dict[str, str] | None = None) -> float:
 
 
 def wait_for(cond: Any, timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if cond():
-            return
-        time.sleep(0.05)
-    assert cond(), f"not within {timeout_s}s: {what}"
+    assert wait_until(cond, timeout_s), f"not within {timeout_s}s: {what}"

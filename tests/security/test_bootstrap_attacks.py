@@ -32,8 +32,7 @@ from kv_transfer.messages import (
     encode,
 )
 from kv_transfer.side import layout_to_wire
-from tests.kv_transfer.conftest import PageAlloc
-from tests.kv_transfer.harness import Driver, PoolSpec, Worker, make_manager, make_pool, page_bytes
+from tests.kv_transfer.harness import Driver, PageAlloc, PoolSpec, Worker, make_manager, make_pool, page_bytes
 from tests.security.byte_capture import ByteCapture
 
 SECRET = secrets.token_hex(32).encode()

@@ -7,7 +7,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from server_procs import ServerProcess
+
+from tests.server.server_procs import ServerProcess
 
 
 @pytest.fixture(scope="session")

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import json
-import time
 from typing import Any
 
 import httpx
-from server_procs import ServerProcess
+
+from tests.server.server_procs import ServerProcess, wait_until
 
 
 def parse_sse(raw: bytes) -> list[Any]:
@@ -31,13 +31,11 @@ def engine_stat(server: ServerProcess, name: str) -> float | None:
 
 
 def wait_engine_stat(server: ServerProcess, name: str, timeout_s: float = 5.0) -> float:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = engine_stat(server, name)
-        if value is not None:
-            return value
-        time.sleep(0.1)
-    raise AssertionError(f"engine stat {name} never appeared")
+    assert wait_until(lambda: engine_stat(server, name) is not None, timeout_s, period_s=0.1), (
+        f"engine stat {name} never appeared")
+    value = engine_stat(server, name)
+    assert value is not None
+    return value
 
 
 async def generate_merged(client: httpx.AsyncClient, payload: dict[str, Any]) -> dict[str, Any]:

