@@ -25,6 +25,7 @@ from common.model.config import ModelConfig, resolve_dtype
 from common.model.default_model import resolve_model_path
 from common.model.device import on_device_thread, resolve_device, use_device
 from common.model.device_streams import make_device_streams
+from common.model.intra_op import run_on_fresh_thread
 from common.model.memory_budget import kv_budget_bytes
 from common.model.model_runner import ModelRunner
 from common.model.sampler import Sampler
@@ -130,6 +131,27 @@ def build_engine_core(
     extra_req_rows: int = EXTRA_REQ_ROWS,
     on_worker_start: Callable[[], None] | None = None,
     publish_kv_events: bool = False,
+) -> EngineCore:
+    """The overlap loop on CPU builds on a short-lived thread, so that the worker thread's
+    OpenMP pool is the process's only one (intra_op.py: a second pool slows every step)."""
+
+    def build() -> EngineCore:
+        return _build_engine_core(args, output, role=role, extra_req_rows=extra_req_rows,
+                                  on_worker_start=on_worker_start, publish_kv_events=publish_kv_events)
+
+    if args.overlap_schedule and args.resolved_device() == "cpu":
+        return run_on_fresh_thread(build)
+    return build()
+
+
+def _build_engine_core(
+    args: ServerArgs,
+    output: OutputSink,
+    *,
+    role: RoleSpec,
+    extra_req_rows: int,
+    on_worker_start: Callable[[], None] | None,
+    publish_kv_events: bool,
 ) -> EngineCore:
     if not role.radix_cache and not args.disable_radix_cache:
         args = dataclasses.replace(args, disable_radix_cache=True)
