@@ -172,11 +172,19 @@ def _build_engine_core(
             config, max_total_tokens=total_tokens, page_size=args.page_size, dtype=dtype, device=device, streams=streams
         )
 
+    compile_decode = args.enable_torch_compile and device.type == "cpu"
     runner = ModelRunner(
         model_path, dtype=dtype, device=device, kv_pool=create_kv_pool, req_to_token=req_pool.table,
-        attention_backend=args.attention_backend, streams=streams,
+        attention_backend=args.attention_backend, streams=streams, cpu_weight_prepack=not compile_decode,
     )
     kv_pool = runner.kv_pool
+    if compile_decode:  # inductor packs the linears itself (freezing)
+        from common.model.compiled_decode import CompileCapture
+
+        runner.enable_decode_graphs(min(args.torch_compile_max_bs, args.max_running_requests),
+                                    CompileCapture(kv_pool, runner.attn_backend))
+    elif args.enable_torch_compile:
+        logger.warning("--enable-torch-compile applies to CPU; %s runs CUDA graphs instead", device)
     if device.type == "cuda" and not args.disable_cuda_graph:
         if runner.attn_backend.graph_capturable:
             from common.model.cuda_graphs import CudaGraphCapture
