@@ -26,6 +26,7 @@ from common.model.testing import build_tiny_checkpoint
 TESTS = Path(__file__).resolve().parent
 # Files whose tests start processes; everything else outside tests/reliability is `unit`.
 PROC_PATHS = (
+    "bench/test_engine_loops.py",
     "bench/test_serving_bench.py",
     "compat/",
     "kv_transfer/test_bench_quick.py",
