@@ -202,10 +202,10 @@ class ServerArgs:
     @property
     def overlap_schedule(self) -> bool:
         """The overlap loop runs the forward in a second thread. On CUDA that thread only
-        launches kernels; on CPU it computes, and there the forward ran 1.5x slower in that
-        thread than on the main one (this 2-core box, batch 32 decode: 264-337 vs 441-527
-        tok/s), far more than the ~0.5 ms of scheduling overlap hides. So CPU defaults to the
-        normal loop; --enable-cpu-overlap-schedule forces overlap there."""
+        launches kernels; on CPU it computes, and there it ran 1.5x slower than the normal loop
+        until its OpenMP pool became the process's only one (common/model/intra_op.py). CPU
+        keeps the normal loop by default until a quiet-box bench/engine.py shows overlap >= 1.0x;
+        --enable-cpu-overlap-schedule runs overlap there."""
         if self.disable_overlap_schedule:
             return False
         return self.enable_cpu_overlap_schedule or self.resolved_device() != "cpu"
