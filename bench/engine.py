@@ -16,27 +16,32 @@ and each side keeps its best, so load from elsewhere on a shared box hits both a
      / read bandwidth measured here)                          -> b1_vs_bandwidth_floor (>= 1)
   3. steady decode, 32 requests: the engine loop vs a raw ModelRunner.forward + Sampler loop
                                                               -> engine_vs_raw_forward
-     the overlap loop vs the normal loop                      -> overlap_vs_normal
-     one decode forward on a fresh thread vs the main thread  -> forward_thread_vs_main
+     the overlap loop vs the normal loop, each engine in a process of its own
+     (bench/engine_loops.py)                                  -> overlap_vs_normal
   4. levers: decode forward with vs without oneDNN weight prepacking, batch 1 and 32
                                                               -> prepack_speedup_b1/_bs32
-Last line: RESULT {json} with those keys, the tok/s behind them and the CPU (model, flags).
+     with --torch-compile: the inductor-compiled decode step vs the eager (prepacked) one
+                                                              -> compile_speedup_b1/_bs32
+Last line: RESULT {json} with those keys, the tok/s behind them, the CPU (model, flags), the
+dtype and the load average at the start and the end (a shared box moves every figure).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import time
 from typing import Any
 
 import transformers
+from engine_loops import LOOPS, LoopChild, steady_work
 from engine_parts import (
+    SomeBuckets,
     best_of,
     cpu_description,
     decode_step_seconds,
-    on_new_thread,
     read_bandwidth_gbs,
     run_engine,
     run_hf_static,
@@ -46,6 +51,7 @@ from engine_parts import (
 )
 
 from common.engine import Engine
+from common.model.compiled_decode import CompileCapture
 from common.model.config import resolve_dtype
 from common.model.default_model import resolve_model_path
 from common.model.model_runner import ModelRunner
@@ -75,13 +81,37 @@ def part_vs_hf(engine: Engine, hf: transformers.PreTrainedModel, work: list[tupl
     return t_engine, t_hf
 
 
-def main() -> None:
+RESULT_KEYS = (  # always in the RESULT line (issue 16's figures), beside the tok/s behind them
+    "uniform_ratio_vs_hf", "b1_ratio_vs_hf", "b1_vs_bandwidth_floor", "overlap_vs_normal", "engine_vs_raw_forward",
+    "cpu", "dtype", "load_avg",
+)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model-path", default=None)
-    ap.add_argument("--dtype", default="auto", help="auto (from the CPU's flags), float32 or bfloat16")
+    ap.add_argument("--dtype", default="auto", help="auto (bfloat16 only with avx512_bf16/amx_bf16), float32 or bfloat16")
     ap.add_argument("--quick", action="store_true", help="small sizes, one round per side")
     ap.add_argument("--decode-batch", type=int, default=32)
-    args = ap.parse_args()
+    ap.add_argument("--torch-compile", action="store_true",
+                    help="also measure the --enable-torch-compile decode step (compiles buckets 1 and the decode batch)")
+    return ap.parse_args(argv)
+
+
+def result_line(result: dict[str, Any]) -> str:
+    """The last line of the bench: RESULT {json}; every RESULT_KEYS key must be there."""
+    missing = [k for k in RESULT_KEYS if k not in result]
+    if missing:
+        raise ValueError(f"RESULT lacks {missing}")
+    return "RESULT " + json.dumps(result)
+
+
+def load_avg() -> float:
+    return round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else -1.0
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
     q = 0 if args.quick else 1
     size = {k: v[q] for k, v in SIZES.items()}
     reps = size["reps"]
@@ -89,7 +119,9 @@ def main() -> None:
     dtype = resolve_dtype(args.dtype, "cpu")
     dtype_name = str(dtype).removeprefix("torch.")
     cpu = cpu_description()
-    print(f"CPU: {cpu['model']} flags {cpu['flags']} threads {cpu['threads']}; dtype {dtype_name}", flush=True)
+    load_start = load_avg()
+    print(f"CPU: {cpu['model']} flags {cpu['flags']} threads {cpu['threads']}; dtype {dtype_name}; "
+          f"load average {load_start}", flush=True)
     result: dict[str, Any] = {"cpu": cpu, "dtype": dtype_name, "quick": args.quick}
     bs = max(size["uniform_prompts"], args.decode_batch)
     normal = Engine(path, dtype=dtype_name, **engine_args(bs, disable_overlap_schedule=True))
@@ -115,45 +147,53 @@ def main() -> None:
           f"raw decode forward {1000 * b1_step:.1f} ms", flush=True)
     result.update(read_bandwidth_gbs=round(bandwidth, 1), b1_forward_ms=round(1000 * b1_step, 2))
 
-    # 3. steady decode: engine loop vs raw loop, overlap vs normal, the forward's thread
+    # 3. steady decode: engine loop vs raw loop (this process); overlap vs normal (a process each)
     rng = random.Random(1)
     steps, batch = size["steady_steps"], args.decode_batch
     prompts = [[rng.randrange(100, vocab) for _ in range(64)] for _ in range(batch)]
-    steady = [(p, steps) for p in prompts]
-    overlap = Engine(path, dtype=dtype_name, **engine_args(bs, enable_cpu_overlap_schedule=True))
-    run_engine(overlap, steady[:2])
-    t_raw, t_normal, t_overlap = best_of(
+    steady = steady_work(batch, steps, vocab)
+    t_raw, t_normal = best_of(
         reps, lambda: run_raw_decode(normal, prompts, steps), lambda: run_engine(normal, steady),
-        lambda: run_engine(overlap, steady),
     )
-    overlap.shutdown()
-    runner = normal.core.runner
-    t_main, t_thread = best_of(
-        reps + 1, lambda: decode_step_seconds(runner, batch, 64, 4),
-        lambda: on_new_thread(lambda: decode_step_seconds(runner, batch, 64, 4)),
-    )
+    loops = [LoopChild(loop, model_path=args.model_path, dtype=dtype_name, batch=batch) for loop in LOOPS]
+    try:
+        t_child_normal, t_child_overlap = best_of(reps + 1, *(lambda c=c: c.run(batch, steps) for c in loops))  # type: ignore[misc]
+    finally:
+        for child in loops:
+            child.close()
     toks = batch * steps
     print(f"[steady] {batch} x {steps}: raw forward+sample {toks / t_raw:.1f} tok/s, engine normal "
-          f"{toks / t_normal:.1f}, engine overlap {toks / t_overlap:.1f}; decode forward main thread "
-          f"{1000 * t_main:.1f} ms, fresh thread {1000 * t_thread:.1f} ms", flush=True)
+          f"{toks / t_normal:.1f}; a process per loop: normal {toks / t_child_normal:.1f}, overlap "
+          f"{toks / t_child_overlap:.1f} tok/s", flush=True)
     result.update(
-        engine_vs_raw_forward=round(t_raw / t_normal, 3), overlap_vs_normal=round(t_normal / t_overlap, 3),
-        forward_thread_vs_main=round(t_main / t_thread, 3), steady_normal_tok_s=round(toks / t_normal, 1),
-        steady_overlap_tok_s=round(toks / t_overlap, 1),
+        engine_vs_raw_forward=round(t_raw / t_normal, 3), overlap_vs_normal=round(t_child_normal / t_child_overlap, 3),
+        steady_normal_tok_s=round(toks / t_child_normal, 1), steady_overlap_tok_s=round(toks / t_child_overlap, 1),
     )
 
-    # 4. lever: oneDNN weight prepacking (a second runner without it, same weights)
+    # 4. levers: oneDNN weight prepacking, and (--torch-compile) the inductor-compiled decode step
+    runner = normal.core.runner
+    levers: list[tuple[str, ModelRunner]] = []
     if runner.weights_prepacked:
-        plain = ModelRunner(path, dtype=dtype, kv_pool=runner.kv_pool, req_to_token=runner.req_to_token,
-                            cpu_weight_prepack=False)
-        for b, key in ((1, "prepack_speedup_b1"), (batch, "prepack_speedup_bs32")):
-            t_plain, t_packed = best_of(reps + 1, lambda b=b: decode_step_seconds(plain, b, 64, 4),  # type: ignore[misc]
-                                        lambda b=b: decode_step_seconds(runner, b, 64, 4))  # type: ignore[misc]
-            result[key] = round(t_plain / t_packed, 3)
-            print(f"[prepack] batch {b} decode forward: plain {1000 * t_plain:.1f} ms, packed "
-                  f"{1000 * t_packed:.1f} ms ({t_plain / t_packed:.2f}x)", flush=True)
+        levers.append(("prepack", ModelRunner(path, dtype=dtype, kv_pool=runner.kv_pool,
+                                              req_to_token=runner.req_to_token, cpu_weight_prepack=False)))
+    if args.torch_compile:
+        compiled = ModelRunner(path, dtype=dtype, kv_pool=runner.kv_pool, req_to_token=runner.req_to_token,
+                               cpu_weight_prepack=False)
+        capture = CompileCapture(compiled.kv_pool, compiled.attn_backend)
+        wanted = {1, batch}
+        compiled.enable_decode_graphs(batch, SomeBuckets(capture, wanted))
+        levers.append(("compile", compiled))
+    for name, other in levers:
+        for b, key in ((1, f"{name}_speedup_b1"), (batch, f"{name}_speedup_bs{batch}")):
+            base, lever = (other, runner) if name == "prepack" else (runner, other)
+            t_base, t_lever = best_of(reps + 1, lambda b=b, r=base: decode_step_seconds(r, b, 64, 4),  # type: ignore[misc]
+                                      lambda b=b, r=lever: decode_step_seconds(r, b, 64, 4))  # type: ignore[misc]
+            result[key] = round(t_base / t_lever, 3)
+            print(f"[{name}] batch {b} decode forward: without {1000 * t_base:.1f} ms, with "
+                  f"{1000 * t_lever:.1f} ms ({t_base / t_lever:.2f}x)", flush=True)
     normal.shutdown()
-    print("RESULT " + json.dumps(result))
+    result["load_avg"] = [load_start, load_avg()]
+    print(result_line(result))
 
 
 if __name__ == "__main__":

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import random
-import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -12,6 +11,7 @@ import torch
 import transformers
 
 from common.engine import Engine
+from common.model.decode_graphs import EagerCapture, Step, StepCapture
 from common.model.forward_batch import ForwardBatch, ForwardMode
 from common.model.model_runner import ModelRunner
 from common.model.sampling_info import SamplingBatchInfo
@@ -143,13 +143,15 @@ def decode_step_seconds(runner: ModelRunner, batch: int, context: int, steps: in
     return elapsed
 
 
-def on_new_thread(fn: Callable[[], float]) -> float:
-    """fn() run on a fresh thread (as the overlap loop's worker runs the forward)."""
-    box: list[float] = []
-    thread = threading.Thread(target=lambda: box.append(fn()))
-    thread.start()
-    thread.join()
-    return box[0]
+class SomeBuckets(EagerCapture):
+    """`inner` captures only the buckets in `sizes`; the others run eagerly (the bench compiles
+    the two batch sizes it measures, not every bucket)."""
+
+    def __init__(self, inner: StepCapture, sizes: set[int]) -> None:
+        self.inner, self.sizes = inner, sizes
+
+    def capture(self, size: int, step: Step) -> Step:
+        return self.inner.capture(size, step) if size in self.sizes else step
 
 
 def best_of(reps: int, *fns: Callable[[], float]) -> list[float]:

@@ -29,6 +29,7 @@ from common.model.config import ModelConfig, resolve_dtype
 from common.model.default_model import resolve_model_path
 from common.model.device import on_device_thread, resolve_device, use_device
 from common.model.device_streams import make_device_streams
+from common.model.intra_op import run_on_fresh_thread
 from common.model.memory_budget import kv_budget_bytes
 from common.model.model_runner import ModelRunner
 from common.model.sampler import Sampler
@@ -175,10 +176,18 @@ def build_rank_worker(
             streams=streams, shard=shard, shared_path=kv_shared_path if device.type == "cpu" else None,
         )
 
+    compile_decode = args.enable_torch_compile and device.type == "cpu" and tp.size == 1
     runner = ModelRunner(
         model_path, dtype=dtype, device=device, kv_pool=create_kv_pool, req_to_token=req_pool.table,
-        attention_backend=args.attention_backend, streams=streams, tp=tp,
+        attention_backend=args.attention_backend, streams=streams, tp=tp, cpu_weight_prepack=not compile_decode,
     )
+    if compile_decode:  # inductor packs the linears itself (freezing)
+        from common.model.compiled_decode import CompileCapture
+
+        runner.enable_decode_graphs(min(args.torch_compile_max_bs, args.max_running_requests),
+                                    CompileCapture(runner.kv_pool, runner.attn_backend))
+    elif args.enable_torch_compile:
+        logger.warning("--enable-torch-compile off: it applies to CPU at TP 1 (here %s, TP %d)", device, tp.size)
     if device.type == "cuda" and not args.disable_cuda_graph:
         if tp.size > 1:
             logger.warning("CUDA graphs off: not captured with tensor parallelism (collectives inside)")
@@ -205,6 +214,27 @@ def build_engine_core(
     extra_req_rows: int = EXTRA_REQ_ROWS,
     on_worker_start: Callable[[], None] | None = None,
     publish_kv_events: bool = False,
+) -> EngineCore:
+    """The overlap loop on CPU builds on a short-lived thread, so that the worker thread's
+    OpenMP pool is the process's only one (intra_op.py: a second pool slows every step)."""
+
+    def build() -> EngineCore:
+        return _build_engine_core(args, output, role=role, extra_req_rows=extra_req_rows,
+                                  on_worker_start=on_worker_start, publish_kv_events=publish_kv_events)
+
+    if args.overlap_schedule and args.resolved_device() == "cpu":
+        return run_on_fresh_thread(build)
+    return build()
+
+
+def _build_engine_core(
+    args: ServerArgs,
+    output: OutputSink,
+    *,
+    role: RoleSpec,
+    extra_req_rows: int,
+    on_worker_start: Callable[[], None] | None,
+    publish_kv_events: bool,
 ) -> EngineCore:
     if not role.radix_cache and not args.disable_radix_cache:
         args = dataclasses.replace(args, disable_radix_cache=True)

@@ -28,6 +28,7 @@ from tests.harness.process import reap_all
 TESTS = Path(__file__).resolve().parent
 # Files whose tests start processes; everything else outside tests/reliability is `unit`.
 PROC_PATHS = (
+    "bench/test_engine_loops.py",
     "bench/test_serving_bench.py",
     "compat/",
     "engine/test_tensor_parallel.py",

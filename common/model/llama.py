@@ -20,6 +20,7 @@ from torch import nn
 
 from common.cache.kv_pool import KVPool
 from common.model.attention.base import AttentionBackend
+from common.model.compiled_decode import attention_key, write_kv
 from common.model.config import ModelConfig
 from common.model.forward_batch import ForwardBatch
 from common.model.fused_ops import TorchOps
@@ -72,16 +73,20 @@ class LlamaAttention(nn.Module):
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = rope.apply(q, k)
-        _write_kv(kv_pool, self.layer_id, batch.out_cache_loc, k, v)
-        return self.tp.all_reduce(self.o_proj(backend.forward(q, k, v, self.layer_id, batch)))
+        return self.tp.all_reduce(self.o_proj(_attend(q, k, v, self.layer_id, batch, kv_pool, backend)))
 
 
-def _write_kv(pool: KVPool, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-    """KVPool.set_kv through 2-D [slots, Hkv*D] views. NOTE: on CPU, index_put into the 3-D buffer
-    takes a per-element path that is ~100-1000x slower (bf16) than this row copy."""
-    n = slots.shape[0]
-    for buf, x in ((pool.k_buffers[layer], k), (pool.v_buffers[layer], v)):
-        buf.view(buf.shape[0], -1).index_copy_(0, slots, x.reshape(n, -1).to(buf.dtype))
+def _attend(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, batch: ForwardBatch, pool: KVPool,
+    backend: AttentionBackend,
+) -> torch.Tensor:
+    """Write this step's K/V, then attention; inside a compiled decode step one opaque op."""
+    key = attention_key(backend)
+    if key is not None and torch.compiler.is_compiling():
+        out: torch.Tensor = torch.ops.pdserve.paged_attention(q, k, v, batch.out_cache_loc, layer, key)
+        return out
+    write_kv(pool, layer, batch.out_cache_loc, k, v)
+    return backend.forward(q, k, v, layer, batch)
 
 
 class LlamaMLP(nn.Module):

@@ -69,6 +69,8 @@ class ServerArgs:
     attention_backend: str = "auto"
     cuda_graph_max_bs: int | None = None
     disable_cuda_graph: bool = False
+    enable_torch_compile: bool = False
+    torch_compile_max_bs: int = 32
     random_seed: int | None = None
     # Prefill/decode disaggregation
     disaggregation_mode: str = "null"
@@ -113,7 +115,7 @@ class ServerArgs:
             if getattr(self, name) not in allowed:
                 return f"--{_flag(name)} must be one of {', '.join(allowed)}, got {getattr(self, name)!r}"
         positive = ("tp_size", "page_size", "max_prefill_tokens", "max_running_requests", "engine_start_timeout",
-                    "header_timeout", "max_stream_backlog")
+                    "header_timeout", "max_stream_backlog", "torch_compile_max_bs")
         for name in positive:
             if getattr(self, name) <= 0:
                 return f"--{_flag(name)} must be > 0, got {getattr(self, name)}"
@@ -201,10 +203,10 @@ class ServerArgs:
     @property
     def overlap_schedule(self) -> bool:
         """The overlap loop runs the forward in a second thread. On CUDA that thread only
-        launches kernels; on CPU it computes, and there the forward ran 1.5x slower in that
-        thread than on the main one (this 2-core box, batch 32 decode: 264-337 vs 441-527
-        tok/s), far more than the ~0.5 ms of scheduling overlap hides. So CPU defaults to the
-        normal loop; --enable-cpu-overlap-schedule forces overlap there."""
+        launches kernels; on CPU it computes, and there it ran 1.5x slower than the normal loop
+        until its OpenMP pool became the process's only one (common/model/intra_op.py). CPU
+        keeps the normal loop by default until a quiet-box bench/engine.py shows overlap >= 1.0x;
+        --enable-cpu-overlap-schedule runs overlap there."""
         if self.disable_overlap_schedule:
             return False
         return self.enable_cpu_overlap_schedule or self.resolved_device() != "cpu"
@@ -269,13 +271,16 @@ _HELP: dict[str, str] = {
     "schedule_policy": "waiting queue order",
     "schedule_conservativeness": "scales the initial new_token_ratio",
     "disable_overlap_schedule": "run the scheduler and the forward in lock step",
-    "enable_cpu_overlap_schedule": "use the overlap loop on CPU too (default there: the normal loop, measured faster)",
+    "enable_cpu_overlap_schedule": "use the overlap loop on CPU too (default there: the normal loop)",
     "enable_mixed_chunk": "run a prefill chunk and decode steps in one batch",
     "disable_radix_cache": "no prefix cache",
     "attention_backend": "attention kernels (auto: flashinfer on CUDA when installed, torch elsewhere)",
     "cuda_graph_max_bs": "CUDA: decode batches up to this size run as CUDA graphs, one per batch-size bucket "
     "(default: --max-running-requests)",
     "disable_cuda_graph": "CUDA: run every decode step eagerly (no CUDA graphs)",
+    "enable_torch_compile": "CPU: compile the decode step with torch.compile (inductor) at startup, one graph per "
+    "batch-size bucket up to --torch-compile-max-bs (cached under TORCHINDUCTOR_CACHE_DIR)",
+    "torch_compile_max_bs": "largest decode batch run through a compiled step (larger ones run eagerly)",
     "random_seed": "seed for sampling",
     "disaggregation_mode": "null (colocated), prefill or decode",
     "disaggregation_bootstrap_port": "prefill's bootstrap server port",

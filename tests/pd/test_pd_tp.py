@@ -24,10 +24,10 @@ import httpx
 import pytest
 
 from tests.engine.reference import hf_greedy
+from tests.harness.process import wait_until
 from tests.pd.inproc import InProcessPD
 from tests.pd.pd_procs import PDPair, PDResult, RoleProcess
 from tests.reliability.cluster import HB_INTERVAL_S, HB_TIMEOUT_S, HEARTBEAT_BOUND_S
-from tests.server.server_procs import wait_until
 
 VOCAB = 384
 # Decode TP 2's forwards each take this much longer, so a long request is surely mid-stream

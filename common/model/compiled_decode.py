@@ -1,0 +1,89 @@
+"""--enable-torch-compile on CPU: the decode step compiled by inductor, one graph per batch-size bucket.
+
+    DecodeGraphRunner (decode_graphs.py)  padded bucket batch -> CompileCapture.capture(size, step)
+    CompileCapture                         torch.compile(step, dynamic=False, fullgraph=True),
+                                           run once at startup (the compile), then replayed
+    inside the graph                       embedding, norms, linears (inductor's freezing packs
+                                           them for oneDNN), rope, SiLU, logits: fused C++/OpenMP
+    outside it (one opaque op per layer)   pdserve::paged_attention: the KV write at out_cache_loc
+                                           + the backend's attention over this step's metadata
+
+The attention stays eager because its shapes follow the sequence lengths of each step (the
+backend plans groups per step); the op keeps the graph whole, so dynamo traces the 30-layer
+step once per bucket instead of breaking at every layer. Inductor's FX graph cache lives
+under TORCHINDUCTOR_CACHE_DIR (default: a "torchinductor" folder in the system temp dir), so
+a restart on the same box recompiles from the cache.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from typing import cast
+
+import torch
+
+from common.cache.kv_pool import KVPool
+from common.model.attention.base import AttentionBackend
+from common.model.decode_graphs import EagerCapture, Step
+from common.model.forward_batch import ForwardBatch
+
+logger = logging.getLogger(__name__)
+
+_ATTENTION: dict[int, tuple[KVPool, AttentionBackend]] = {}
+_KEYS = itertools.count(1)
+
+
+def write_kv(pool: KVPool, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    """KVPool.set_kv through 2-D [slots, Hkv*D] views. NOTE: on CPU, index_put into the 3-D buffer
+    takes a per-element path that is ~100-1000x slower (bf16) than this row copy."""
+    n = slots.shape[0]
+    for buf, x in ((pool.k_buffers[layer], k), (pool.v_buffers[layer], v)):
+        buf.view(buf.shape[0], -1).index_copy_(0, slots, x.reshape(n, -1).to(buf.dtype))
+
+
+@torch.library.custom_op("pdserve::paged_attention", mutates_args=())
+def paged_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out_cache_loc: torch.Tensor, layer_id: int, key: int
+) -> torch.Tensor:
+    """write_kv + backend.forward of the backend registered under `key` (its metadata of this
+    step is already built). Backends read their metadata in forward(), not the batch."""
+    pool, backend = _ATTENTION[key]
+    write_kv(pool, layer_id, out_cache_loc, k, v)
+    return backend.forward(q, k, v, layer_id, cast(ForwardBatch, None))
+
+
+@paged_attention.register_fake
+def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out_cache_loc: torch.Tensor, layer_id: int, key: int) -> torch.Tensor:
+    return q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
+
+
+def attention_key(backend: AttentionBackend) -> int | None:
+    """The key under which a compiled step finds `backend` (None: not registered)."""
+    return getattr(backend, "compiled_attention_key", None)
+
+
+def register_attention(pool: KVPool, backend: AttentionBackend) -> int:
+    key = next(_KEYS)
+    _ATTENTION[key] = (pool, backend)
+    backend.compiled_attention_key = key  # type: ignore[attr-defined]
+    return key
+
+
+class CompileCapture(EagerCapture):
+    """Each bucket's step through torch.compile (inductor, CPU), compiled at capture time."""
+
+    def __init__(self, pool: KVPool, backend: AttentionBackend) -> None:
+        import torch._inductor.config as inductor_config
+
+        inductor_config.freezing = True  # weights as constants: inductor packs the linears for oneDNN
+        torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+        register_attention(pool, backend)
+
+    def capture(self, size: int, step: Step) -> Step:
+        start = time.perf_counter()
+        compiled = cast(Step, torch.compile(step, dynamic=False, fullgraph=True))
+        compiled()
+        logger.info("torch.compile: decode step for batch size %d compiled in %.1f s", size, time.perf_counter() - start)
+        return compiled
