@@ -10,6 +10,8 @@ Spec string, comma separated `key=value` (all optional):
     delay_ms=D         every post sleeps D ms first (in the manager thread)
     stall_s=S          the manager thread's next loop iteration sleeps S s (once): a stuck thread
     crash_after_s=T    the manager thread dies T s after the spec took effect (uncaught error)
+    hold_file=PATH     while PATH exists, no posted transfer reads as done (a stalled link; the
+                       manager thread stays responsive, so heartbeats and status go on)
     seed=S             RNG seed (default 0)
 
 Example: "fail_post=0.1,fail_poll=0.05,drop_status=0.1,delay_ms=50,seed=1".
@@ -17,6 +19,7 @@ Example: "fail_post=0.1,fail_poll=0.05,drop_status=0.1,delay_ms=50,seed=1".
 
 from __future__ import annotations
 
+import os
 import random
 import time
 from dataclasses import dataclass, fields
@@ -40,17 +43,21 @@ class FaultSpec:
     delay_ms: float = 0.0
     stall_s: float = 0.0
     crash_after_s: float = 0.0
+    hold_file: str = ""
     seed: int = 0
 
     @classmethod
     def parse(cls, spec: str) -> FaultSpec:
         known = {f.name: f.type for f in fields(cls)}
-        values: dict[str, float | int] = {}
+        values: dict[str, float | int | str] = {}
         for item in filter(None, (part.strip() for part in spec.split(","))):
             key, sep, raw = item.partition("=")
             key = key.strip()
             if not sep or key not in known:
                 raise ValueError(f"bad fault spec item {item!r}; known keys: {sorted(known)}")
+            if known[key] in (str, "str"):
+                values[key] = raw.strip()
+                continue
             try:
                 values[key] = int(raw) if known[key] in (int, "int") else float(raw)
             except ValueError:
@@ -107,6 +114,13 @@ class FaultInjector:
         if self.spec.fail_poll > 0 and self._rng.random() < self.spec.fail_poll:
             self._hit("fail_poll")
             raise InjectedFault("injected poll failure")
+
+    def holding(self) -> bool:
+        """True while the hold file exists: a posted transfer must not read as done."""
+        if self.spec.hold_file and os.path.exists(self.spec.hold_file):
+            self._hit("hold")
+            return True
+        return False
 
     def drop_status(self) -> bool:
         self._statuses += 1

@@ -90,6 +90,8 @@ class NixlEndpoint:
             if inject:
                 self.faults.at_poll()
             state = self.agent.check_xfer_state(xfer.handle)
+            if inject and state != "ERR" and self.faults.holding():
+                return False
         except Exception as e:
             raise NixlError(f"transfer failed: {e}", injected=isinstance(e, InjectedFault)) from e
         if state == "ERR":

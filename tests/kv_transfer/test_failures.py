@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import random
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -109,6 +110,23 @@ def test_injected_post_failure(prefill: Worker, decode: DecodeSide) -> None:
     decode_wait(decode, room, F)
     assert "injected" in decode.driver.plans[room].handle.failure_reason
     assert decode.driver.plans[room].handle.pages_releasable()
+    finish(decode, room, dst)
+
+
+def test_held_link_keeps_the_room_transferring_until_released(prefill: Worker, decode: DecodeSide,
+                                                              tmp_path: Path) -> None:
+    hold = tmp_path / "hold"
+    hold.touch()
+    prefill.call("faults", spec=f"hold_file={hold}")
+    room, dst = start(prefill, decode)
+    for _ in range(2):  # the writes landed long ago; the held link keeps them unconfirmed
+        prefill_state(prefill, room, T)
+        decode_wait(decode, room, T)
+        time.sleep(0.2)
+    assert prefill.states()[room][0] == T
+    hold.unlink()
+    decode_wait(decode, room, S)
+    prefill_state(prefill, room, S)
     finish(decode, room, dst)
 
 

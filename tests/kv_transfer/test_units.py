@@ -3,6 +3,8 @@ poll-state rules, wire messages, handle argument checks."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -118,6 +120,18 @@ def test_config_and_fault_spec() -> None:
         inj.before_post()
     assert inj.drop_status() and not inj.drop_status()
     assert inj.injected == {"fail_post": 1, "drop_status": 1}
+
+
+def test_fault_hold_file_stalls_completion_while_it_exists(tmp_path: Path) -> None:
+    hold = tmp_path / "hold"
+    spec = FaultSpec.parse(f"delay_ms=5, hold_file={hold}")
+    assert spec == FaultSpec(delay_ms=5, hold_file=str(hold)) and spec.active
+    inj = FaultInjector(spec)
+    assert not inj.holding()
+    hold.touch()
+    assert inj.holding() and inj.holding()
+    hold.unlink()
+    assert not inj.holding() and inj.injected == {"hold": 2}
 
 
 def test_state_cell_rules() -> None:

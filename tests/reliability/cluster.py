@@ -1,6 +1,7 @@
 """The reliability cluster: 2 prefill + 2 decode real instances (tiny llama, fp32) and a router.
 
-    p_slow  prefill, every KV post delayed 40 ms (holds requests in Transferring)
+    p_slow  prefill, every KV post delayed 40 ms; while HOLD_FILE exists no transfer of it
+            completes (holds requests in Transferring for as long as a case needs)
     p_fast  prefill, 16-token prefill steps (holds long prompts in computing)
     d_small decode, 640-token pool, 8 running max, optimistic admission (prealloc, retraction)
     d_big   decode, 16k-token pool
@@ -13,6 +14,8 @@ restart it on the same ports before they end (see `Cluster.revive`).
 
 from __future__ import annotations
 
+import os
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,6 +35,7 @@ DRAIN_TIMEOUT_S = 30.0  # kv_transfer TransferConfig.drain_timeout_s (no instanc
 BOOTSTRAP_TIMEOUT_S = 10.0
 VOCAB = 384
 
+HOLD_FILE = Path(tempfile.gettempdir()) / f"pdserve-rel-hold-{os.getpid()}"  # p_slow's stalled link
 HB = ["--disaggregation-heartbeat-interval", str(HB_INTERVAL_S),
       "--disaggregation-heartbeat-timeout", str(HB_TIMEOUT_S)]
 # The overlap loop (CUDA's default; CPU's is the normal loop): the matrix covers it, and its
@@ -41,7 +45,7 @@ PREFILL = [*PAGE, *HB, "--chunked-prefill-size", "16", "--max-total-tokens", "16
            "--disaggregation-bootstrap-timeout", str(BOOTSTRAP_TIMEOUT_S)]
 DECODE = [*PAGE, *HB, "--disaggregation-transfer-timeout", "20"]
 FLAGS = {
-    "p_slow": ["--disaggregation-fault-spec", "delay_ms=40", *PREFILL],
+    "p_slow": ["--disaggregation-fault-spec", f"delay_ms=40,hold_file={HOLD_FILE}", *PREFILL],
     "p_fast": ["--max-prefill-tokens", "16", *PREFILL],
     "d_small": ["--max-total-tokens", "640", "--max-running-requests", "8", "--num-reserved-decode-tokens", "0",
                 "--schedule-conservativeness", "0.1", *DECODE],

@@ -12,7 +12,8 @@ victim's whole process group, and then checks:
 
 A state is forced, never caught by luck: by sizes (more requests or tokens than the decode
 has slots or pages for), by the injected post delay (p_slow: each chunk's post takes >= 40 ms,
-a lower bound that load only lengthens), or by freezing (SIGSTOP) the peer that would move the
+a lower bound that load only lengthens), by holding p_slow's link (no transfer completes while
+the case runs), or by freezing (SIGSTOP) the peer that would move the
 requests on, re-reading the state after the freeze and killing before the thaw. No case is
 retried: a miss is a bug in the case or the code.
 """
@@ -28,7 +29,7 @@ import pytest
 
 from tests.engine.reference import hf_greedy
 from tests.reliability.client import Batch, Job, RouterBatch, RouterOutcome
-from tests.reliability.cluster import HEARTBEAT_BOUND_S, Cluster
+from tests.reliability.cluster import HEARTBEAT_BOUND_S, HOLD_FILE, Cluster
 from tests.reliability.procs import Instance
 from tests.reliability.scenario import (
     StatePred,
@@ -53,6 +54,7 @@ class Case:
     freeze: str | None = None
     prefill_verdict: bool = False  # the prefill side must fail by itself (client does not cancel it)
     drains: str | None = None  # the decode that holds the affected pages until the drain timeout
+    hold_link: bool = False  # p_slow's transfers stay unconfirmed from the affected requests to the kill
     # streaming requests through the router during the kill: "retried" = every one completes
     # exactly (the failure came before any byte reached the client, so the router re-picked);
     # "cut" = each completes exactly or ends with an in-band error within the bound;
@@ -87,10 +89,13 @@ PREFILL_CASES = {
         unaffected=lambda c: _jobs(c.p_slow, c.d_big, 3, 100, 16, seed=4),
         drains="d_big",
     ),
-    # every KV post is delayed 40 ms: computed prompts wait in the inflight queue.
+    # p_slow's link is held (HOLD_FILE): no transfer of it completes, so every computed prompt
+    # waits in the inflight queue until the kill (a 40 ms post delay alone lost that race on a
+    # loaded box: prompts computed slower than their posts drained).
     "transferring": Case(
         "p_slow",
         state=lambda s: s["num_inflight_queue_reqs"] >= 6,  # some of them routed, most of them affected
+        hold_link=True,
         affected=lambda c: _jobs(c.p_slow, c.d_big, 6, 160, 4, seed=5),
         unaffected=lambda c: _jobs(c.p_fast, c.d_big, 3, 64, 16, seed=6),
         drains="d_big",
@@ -139,6 +144,15 @@ def _run(c: Cluster, case: Case, model: str, state_name: str) -> None:
     if case.before is not None:
         inst, pred = case.before(c)
         hold(inst, pred, "the precondition")
+    if case.hold_link:
+        HOLD_FILE.touch()
+    try:
+        _run_affected(c, case, model, state_name, victim, unaffected)
+    finally:
+        HOLD_FILE.unlink(missing_ok=True)
+
+
+def _run_affected(c: Cluster, case: Case, model: str, state_name: str, victim: Instance, unaffected: Batch) -> None:
     affected = Batch(case.affected(c))
     routed = None
     if case.router is not None:
@@ -157,6 +171,7 @@ def _run(c: Cluster, case: Case, model: str, state_name: str) -> None:
     finally:
         if frozen is not None:
             frozen.sigcont()
+        HOLD_FILE.unlink(missing_ok=True)  # the restarted victim and the survivors run unheld
     hit = affected.wait()
     assert_failed_within(hit, t_kill, HEARTBEAT_BOUND_S, side="decode", model=model)
     if case.prefill_verdict:
