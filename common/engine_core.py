@@ -240,10 +240,6 @@ def _build_engine_core(
         args = dataclasses.replace(args, disable_radix_cache=True)
     tp_ranks: TPRanks | None = None
     tp = NO_TP
-    if args.tp_size > 1 and args.disaggregation_mode != "null" and resolve_device(args.device).type != "cpu":
-        # rank 0's agent moves every rank's KV through its mapping of their pools (CPU only)
-        raise ValueError("prefill/decode with --tp-size > 1 runs on CPU only so far (KV of every rank moves "
-                         "through rank 0's shared mapping of their pools)")
     if args.tp_size > 1 and extra_req_rows != EXTRA_REQ_ROWS:
         raise ValueError("TP ranks build their req_to_token table with the default extra rows")
     if args.tp_size > 1:  # this process becomes rank 0 of tp_size
@@ -297,7 +293,7 @@ def _build_engine_core(
     cfg = scheduler_config(args, rw.context_length)
     built = role.build(
         SchedulerParts(cfg=cfg, executor=executor, kv=kv, kv_pool=kv_pool, future_capacity=rw.future_capacity,
-                       output=output)
+                       output=output, kv_link=tp_ranks.addrs.kv_link if tp_ranks is not None else "")
     )
     return EngineCore(
         args=args, model_path=rw.model_path, model_config=config, kv_pool=kv_pool, role=role,

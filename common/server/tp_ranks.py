@@ -41,7 +41,8 @@ class TPAddrs:
 
     dist_init: str  # file:// init_method of torch.distributed
     steps: tuple[str, ...]  # ipc:// inbox of ranks 1..N-1 (abstract: no file)
-    kv_pools: tuple[str, ...]  # CPU: the shared file of each rank's KV pool (rank 0 maps them all)
+    kv_pools: tuple[str, ...]  # CPU: the shared file of each rank's KV pool (rank 0 maps them: retraction)
+    kv_link: str  # PD: rank 0's KVManager, where the KV transfer agents of ranks 1..N-1 connect
 
     @classmethod
     def new(cls, size: int) -> TPAddrs:
@@ -50,7 +51,7 @@ class TPAddrs:
         shm = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
         # steps: Linux abstract ipc sockets (no file to leave behind)
         return cls(dist_init=f"file://{stem}_dist", steps=tuple(f"ipc://@{tag}_rank{r}" for r in range(1, size)),
-                   kv_pools=tuple(os.path.join(shm, f"{tag}_kv{r}") for r in range(size)))
+                   kv_pools=tuple(os.path.join(shm, f"{tag}_kv{r}") for r in range(size)), kv_link=f"ipc://@{tag}_kvlink")
 
     def remove_files(self) -> None:
         """Unlinked files stay valid where they are open or mapped (sockets, store, KV pools)."""
