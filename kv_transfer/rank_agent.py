@@ -9,7 +9,9 @@
                                      transfers are in flight, else every idle_poll_s)
 
 Rank 0 owns rooms, timeouts and the control channel to the other instance; this agent only
-moves bytes. It ends with its process (rank 0 gone ends the rank, tp_rank_process.py).
+moves bytes. It ends with its process (rank 0 gone ends the rank, tp_rank_process.py). Rank 0
+decides which posts exist; the agent checks that their local descriptors lie inside its own
+registered slice (the heads it holds) before posting.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -65,8 +68,13 @@ class _Posted:
 
 
 class RankAgent:
-    def __init__(self, args: RankAgentArgs) -> None:
+    """on_crash: called (in the agent's thread) when that thread dies of a bug; the rank's
+    process should end then (tp_rank_process.py exits), which takes the instance down: rooms
+    whose writes this rank holds could otherwise wait for reports that never come."""
+
+    def __init__(self, args: RankAgentArgs, on_crash: Callable[[], None] | None = None) -> None:
         self.args = args
+        self._on_crash = on_crash
         self.cfg = args.config
         kv = [*args.k_buffers, *args.v_buffers]
         self.faults = FaultInjector(FaultSpec.parse(self.cfg.faults), rank=args.rank)
@@ -105,6 +113,8 @@ class RankAgent:
                 self._check_posted(time.monotonic())
         except Exception:
             log.exception("TP rank %d transfer agent crashed", self.args.rank)
+            if self._on_crash is not None:
+                self._on_crash()
             raise
 
     def _on_message(self, msg: ToRank) -> None:
