@@ -156,7 +156,7 @@ def build_rank_worker(
     args: ServerArgs, tp: TPGroup = NO_TP, extra_req_rows: int = EXTRA_REQ_ROWS, kv_shared_path: str | None = None
 ) -> RankWorker:
     """Model runner + KV pool + req_to_token table + sampler of one rank (every rank at TP 1).
-    kv_shared_path (CPU, TP > 1): the KV pool lives in this shared file, for rank 0 to map."""
+    kv_shared_path (CPU, TP > 1 decode): the KV pool lives in this shared file, for rank 0 to map."""
     model_path = resolve_model_path(args.model_path)
     config = ModelConfig.from_pretrained(model_path)
     device = resolve_device(args.device, args.base_gpu_id + tp.rank)
@@ -254,7 +254,7 @@ def _build_engine_core(
         rw = build_rank_worker(args, tp, extra_req_rows, kv_shared_path=kv_paths[0] if kv_paths else None)
         tp.barrier()  # every rank has its shard loaded and its KV pool made
         if tp_ranks is not None:
-            if rw.device.type == "cpu":
+            if rw.device.type == "cpu" and kv_paths:  # decode: retraction reads every rank's heads
                 starts = [TPShard.of(rw.config, r, tp.size).kv_head_start for r in range(1, tp.size)]
                 rw.runner.kv_pool.attach_rank_views(list(kv_paths[1:]), starts)
             # every rank has joined, connected and mapped: no file is needed any more, and none

@@ -42,7 +42,7 @@ def _serve(args: ServerArgs, rank: int, addrs: TPAddrs, parent_pid: int) -> None
     device = resolve_device(args.device, args.base_gpu_id + rank)
     set_rank_threads(device, args.tp_size)
     tp = init_tp_group(rank, args.tp_size, addrs, device, args.engine_start_timeout)
-    rw = build_rank_worker(args, tp, kv_shared_path=addrs.kv_pools[rank])
+    rw = build_rank_worker(args, tp, kv_shared_path=addrs.kv_pools[rank] if addrs.kv_pools else None)
     follower = TPFollower(rw.worker, addrs.steps[rank - 1])
     if args.disaggregation_mode in ("prefill", "decode"):  # its hello reaches rank 0's KVManager (rank_link.py)
         _start_transfer_agent(args, rank, addrs, rw.runner.kv_pool)
