@@ -4,6 +4,8 @@
       └─ TPRanks.start(): ranks 1..N-1, each tp_rank_process.tp_rank_main in a spawned process
     all N join one torch.distributed group (gloo on CPU, NCCL on CUDA; init through a file
     store next to the instance's ipc files), load their shard, meet at a barrier, then serve.
+    PD roles: before the barrier each rank r > 0 starts its own KV transfer agent, which says
+    hello on TPAddrs.kv_link to rank 0's KVManager (kv_transfer/rank_agent.py, rank_link.py).
 
 Rank r runs on cuda:(base_gpu_id + r). A rank that dies takes the instance down: rank 0 sees
 it (dead_reason, or a collective that raises) and exits, which fails the frontend's /health;
