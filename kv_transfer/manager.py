@@ -177,7 +177,7 @@ class KVManager:
         if isinstance(self.side, PrefillSide):
             out["rank0_descriptors"], out["rank0_bytes"] = self.side.own_descs, self.side.own_bytes
         if self.link is not None:
-            out.update(self.link.rank_stats())
+            out.update(self.link.rank_stats(moves=self.role == "prefill"))
         return out
 
     def health(self) -> str | None:

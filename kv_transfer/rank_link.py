@@ -140,11 +140,13 @@ class RankLink:
             for rank in self.hellos:
                 self._send(rank, RankPace(busy))
 
-    def rank_stats(self) -> dict[str, int]:
+    def rank_stats(self, moves: bool = True) -> dict[str, int]:
+        """{rank{r}_registered_bytes, and with `moves` (prefill) _descriptors, _bytes, _failed_posts}."""
         out = {}
         for rank, st in sorted(self.stats.items()):
             for key, value in vars(st).items():
-                out[f"rank{rank}_{key}"] = value
+                if moves or key == "registered_bytes":
+                    out[f"rank{rank}_{key}"] = value
         return out
 
     def close(self) -> None:
