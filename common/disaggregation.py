@@ -20,7 +20,6 @@ from common.scheduler.messages import FinishReason
 from common.scheduler.req import Req
 from common.server.server_args import ServerArgs
 from kv_transfer import AuxBuffer, FailureCause, KVManager, KVManagerArgs, TransferConfig
-from kv_transfer.base import KVSlice
 
 logger = logging.getLogger(__name__)
 
@@ -54,8 +53,9 @@ def aux_slots(args: ServerArgs) -> int:
 
 def make_kv_manager(
     role: Literal["prefill", "decode"], args: ServerArgs, kv_pool: KVPool, aux_buffer: AuxBuffer,
-    factory: TransferFactory = KVManager,
+    factory: TransferFactory = KVManager, kv_link: str = "",
 ) -> KVManager:
+    """kv_link (TP > 1): where the transfer agents of ranks 1..N-1 say hello (each moves its own heads)."""
     return factory(
         KVManagerArgs(
             role=role,
@@ -69,8 +69,8 @@ def make_kv_manager(
             backend=args.disaggregation_transfer_backend,
             cluster_secret=ClusterSecret.load(args.cluster_secret_file),
             kv_head_start=kv_pool.kv_head_start,
-            # TP: the other ranks' KV slices (mapped here), moved by this manager's agent too
-            rank_slices=[KVSlice(v.kv_head_start, v.k_buffers, v.v_buffers) for v in kv_pool.rank_views],
+            tp_size=args.tp_size,
+            tp_link=kv_link,
         )
     )
 

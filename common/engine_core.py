@@ -156,7 +156,7 @@ def build_rank_worker(
     args: ServerArgs, tp: TPGroup = NO_TP, extra_req_rows: int = EXTRA_REQ_ROWS, kv_shared_path: str | None = None
 ) -> RankWorker:
     """Model runner + KV pool + req_to_token table + sampler of one rank (every rank at TP 1).
-    kv_shared_path (CPU, TP > 1): the KV pool lives in this shared file, for rank 0 to map."""
+    kv_shared_path (CPU, TP > 1 decode): the KV pool lives in this shared file, for rank 0 to map."""
     model_path = resolve_model_path(args.model_path)
     config = ModelConfig.from_pretrained(model_path)
     device = resolve_device(args.device, args.base_gpu_id + tp.rank)
@@ -240,10 +240,6 @@ def _build_engine_core(
         args = dataclasses.replace(args, disable_radix_cache=True)
     tp_ranks: TPRanks | None = None
     tp = NO_TP
-    if args.tp_size > 1 and args.disaggregation_mode != "null" and resolve_device(args.device).type != "cpu":
-        # rank 0's agent moves every rank's KV through its mapping of their pools (CPU only)
-        raise ValueError("prefill/decode with --tp-size > 1 runs on CPU only so far (KV of every rank moves "
-                         "through rank 0's shared mapping of their pools)")
     if args.tp_size > 1 and extra_req_rows != EXTRA_REQ_ROWS:
         raise ValueError("TP ranks build their req_to_token table with the default extra rows")
     if args.tp_size > 1:  # this process becomes rank 0 of tp_size
@@ -258,7 +254,7 @@ def _build_engine_core(
         rw = build_rank_worker(args, tp, extra_req_rows, kv_shared_path=kv_paths[0] if kv_paths else None)
         tp.barrier()  # every rank has its shard loaded and its KV pool made
         if tp_ranks is not None:
-            if rw.device.type == "cpu":
+            if rw.device.type == "cpu" and kv_paths:  # decode: retraction reads every rank's heads
                 starts = [TPShard.of(rw.config, r, tp.size).kv_head_start for r in range(1, tp.size)]
                 rw.runner.kv_pool.attach_rank_views(list(kv_paths[1:]), starts)
             # every rank has joined, connected and mapped: no file is needed any more, and none
@@ -297,7 +293,7 @@ def _build_engine_core(
     cfg = scheduler_config(args, rw.context_length)
     built = role.build(
         SchedulerParts(cfg=cfg, executor=executor, kv=kv, kv_pool=kv_pool, future_capacity=rw.future_capacity,
-                       output=output)
+                       output=output, kv_link=tp_ranks.addrs.kv_link if tp_ranks is not None else "")
     )
     return EngineCore(
         args=args, model_path=rw.model_path, model_config=config, kv_pool=kv_pool, role=role,

@@ -47,6 +47,13 @@ Rooms are 63-bit non-negative ints; a second live sender (or receiver, per prefi
 with the same room fails at once with cause "duplicate_room".
 Poll states reduce across ranks with min_poll(). query_bootstrap(host, port) asks a
 prefill what it publishes (PrefillInfo). Timeouts and fault injection: TransferConfig.
+
+Tensor parallelism (KVManagerArgs.tp_size N > 1): the manager is rank 0's and its agent holds
+rank 0's KV slice only; ranks 1..N-1 each start a RankAgent (rank_agent.py) over their own
+slice before the ranks' start barrier, and the manager collects them (rank_link.py). The
+handshake carries every rank's agent and [first KV head, heads]; prefill rank r writes the
+heads it holds to the decode ranks that own them (head_slices.py), rank 0 decides what and
+when, and reports a room to decode only once every rank's writes settled.
 """
 
 from __future__ import annotations

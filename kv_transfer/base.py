@@ -120,16 +120,6 @@ class TransferConfig:
 
 
 @dataclass
-class KVSlice:
-    """Another TP rank's KV buffers as this process maps them (see common/cache/kv_pool.py
-    rank_views), with the first KV head they hold; the manager registers and moves them too."""
-
-    head_start: int
-    k_buffers: list[torch.Tensor]
-    v_buffers: list[torch.Tensor]
-
-
-@dataclass
 class KVManagerArgs:
     """What one engine hands its KVManager. The tensors stay owned by the engine's pool;
     the manager only registers them (once) and reads/writes them through NIXL."""
@@ -148,7 +138,8 @@ class KVManagerArgs:
     endpoint_factory: EndpointFactory | None = None  # overrides `backend` (tests, out-of-tree backends)
     cluster_secret: ClusterSecret | None = None  # bootstrap channel over CURVE (common.zmq_curve); None: plain
     kv_head_start: int = 0  # first KV head of k_buffers / v_buffers (TP rank 0: 0)
-    rank_slices: list[KVSlice] = field(default_factory=list)  # TP ranks 1..N-1 (same layout each)
+    tp_size: int = 1  # > 1: this is rank 0; ranks 1..N-1 run a RankAgent each (kv_transfer/rank_agent.py)
+    tp_link: str = ""  # where those agents connect (ipc://); TP 1: unused
 
 
 class StateCell:

@@ -39,13 +39,14 @@ class PostedXfer:
     handle: Any
     nbytes: int
     ndescs: int
+    rank: int = 0  # TP rank whose agent posted it (> 0: through kv_transfer/rank_link.py)
 
 
 class TransferEndpoint(Protocol):
     name: str  # this agent's unique name (peers address it by name)
     kv_mem_type: str  # "DRAM" | "VRAM": where the registered KV buffers live
     kv_device: int
-    aux_base: int  # address of the registered aux buffer
+    aux_base: int  # address of the registered aux buffer (0: none registered)
 
     def metadata(self) -> bytes: ...
     def add_peer(self, metadata: bytes) -> str: ...
@@ -57,11 +58,12 @@ class TransferEndpoint(Protocol):
     def close(self) -> None: ...
 
 
-EndpointFactory = Callable[[str, "list[torch.Tensor]", "torch.Tensor", "FaultInjector"], TransferEndpoint]
+# (role, KV tensors, aux tensor or None: a TP rank > 0 moves KV only, faults)
+EndpointFactory = Callable[[str, "list[torch.Tensor]", "torch.Tensor | None", "FaultInjector"], TransferEndpoint]
 
 
 def make_endpoint(
-    backend: str, role: str, kv_tensors: list[torch.Tensor], aux_tensor: torch.Tensor, faults: FaultInjector
+    backend: str, role: str, kv_tensors: list[torch.Tensor], aux_tensor: torch.Tensor | None, faults: FaultInjector
 ) -> TransferEndpoint:
     """The endpoint of a registered backend (imported only when used)."""
     if backend == "nixl":

@@ -13,6 +13,8 @@ Spec string, comma separated `key=value` (all optional):
     hold_file=PATH     while PATH exists, no posted transfer reads as done (a stalled link; the
                        manager thread stays responsive, so heartbeats and status go on)
     seed=S             RNG seed (default 0)
+    rank=R             TP rank whose agent fail_post, fail_post_nth, fail_poll and delay_ms hit
+                       (default 0; the other keys act on rank 0's manager)
 
 Example: "fail_post=0.1,fail_poll=0.05,drop_status=0.1,delay_ms=50,seed=1".
 """
@@ -45,6 +47,7 @@ class FaultSpec:
     crash_after_s: float = 0.0
     hold_file: str = ""
     seed: int = 0
+    rank: int = 0
 
     @classmethod
     def parse(cls, spec: str) -> FaultSpec:
@@ -66,13 +69,14 @@ class FaultSpec:
 
     @property
     def active(self) -> bool:
-        return self != FaultSpec(seed=self.seed)
+        return self != FaultSpec(seed=self.seed, rank=self.rank)
 
 
 class FaultInjector:
     """Called by the NIXL endpoint and the prefill side at each injection point."""
 
-    def __init__(self, spec: FaultSpec) -> None:
+    def __init__(self, spec: FaultSpec, rank: int = 0) -> None:
+        self.rank = rank  # this agent's TP rank: post/poll faults hit only spec.rank's
         self.spec = spec
         self._rng = random.Random(spec.seed)
         self._posts = 0
@@ -103,6 +107,8 @@ class FaultInjector:
             raise InjectedCrash(f"injected crash of the kv_transfer thread after {self.spec.crash_after_s:g}s")
 
     def before_post(self) -> None:
+        if self.spec.rank != self.rank:
+            return
         self._posts += 1
         if self.spec.delay_ms > 0:
             time.sleep(self.spec.delay_ms / 1000.0)
@@ -111,6 +117,8 @@ class FaultInjector:
             raise InjectedFault(f"injected post failure (post #{self._posts})")
 
     def at_poll(self) -> None:
+        if self.spec.rank != self.rank:
+            return
         if self.spec.fail_poll > 0 and self._rng.random() < self.spec.fail_poll:
             self._hit("fail_poll")
             raise InjectedFault("injected poll failure")

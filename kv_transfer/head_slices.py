@@ -30,6 +30,7 @@ class HeadSlice:
     start: int  # first KV head held
     num: int  # KV heads held
     bases: list[int]  # address of each layer buffer: K of layers 0..L-1, then V of layers 0..L-1
+    device: int = 0  # the GPU holding it (VRAM; 0 on DRAM): TP ranks sit on different GPUs
 
 
 class HeadPair(NamedTuple):
@@ -48,9 +49,12 @@ def wire_slices(slices: list[HeadSlice]) -> list[list[int]]:
     return [[s.start, s.num] for s in slices]
 
 
-def slices_from_wire(heads: list[list[int]], k_bases: list[int], v_bases: list[int], layout: KVLayout) -> list[HeadSlice]:
+def slices_from_wire(
+    heads: list[list[int]], k_bases: list[int], v_bases: list[int], layout: KVLayout, devices: list[int] | None = None
+) -> list[HeadSlice]:
     """A peer's slices from its message; no `heads` (an older peer): one slice of every head.
-    Raises ValueError when the bases do not match the slices."""
+    `devices`: each slice's GPU (none given: 0). Raises ValueError when the bases do not match
+    the slices."""
     spans = heads or [[0, layout.num_kv_heads]]
     if len(spans) > MAX_SLICES or any(len(span) != 2 for span in spans):
         raise ValueError(f"{len(spans)} head slices (at most {MAX_SLICES} pairs [first head, heads])")
@@ -59,8 +63,11 @@ def slices_from_wire(heads: list[list[int]], k_bases: list[int], v_bases: list[i
         raise ValueError(f"{len(k_bases)} K / {len(v_bases)} V buffers for {len(spans)} slice(s) of {n} layers")
     if any(num != layout.num_kv_heads or start < 0 for start, num in spans):
         raise ValueError(f"head slices {spans} do not hold {layout.num_kv_heads} heads each")
+    devs = devices or [0] * len(spans)
+    if len(devs) != len(spans):
+        raise ValueError(f"{len(devs)} devices for {len(spans)} slice(s)")
     return [
-        HeadSlice(start, num, [*k_bases[i * n : (i + 1) * n], *v_bases[i * n : (i + 1) * n]])
+        HeadSlice(start, num, [*k_bases[i * n : (i + 1) * n], *v_bases[i * n : (i + 1) * n]], devs[i])
         for i, (start, num) in enumerate(spans)
     ]
 
@@ -94,11 +101,10 @@ def build_sliced_descs(
     src: HeadSlice,
     dst: HeadSlice,
     pair: HeadPair,
-    local_dev: int = 0,
-    remote_dev: int = 0,
 ) -> DescArrays:
     """Descriptors writing heads [pair.first, pair.end) of `runs`' pages from src to dst
     (`layout`: page size, head_dim and dtype, which both sides share)."""
+    local_dev, remote_dev = src.device, dst.device
     head_bytes = layout.head_dim * layout.itemsize
     if (src.start, src.num) == (dst.start, dst.num):
         return build_descs(runs, layout.page_size * src.num * head_bytes, src.bases, dst.bases, local_dev, remote_dev)

@@ -5,6 +5,11 @@ socket(s) and the background thread that does all socket I/O, NIXL posting and p
     create_sender/receiver, send, init,  -->  command queue + wake pipe
     abort (all return at once)                zmq poller (idle_poll_s / busy_poll_s timeout)
     poll() reads StateCell   <-------------   PrefillSide | DecodeSide advance the cells
+
+Tensor parallelism (tp_size N > 1): this is rank 0's manager; its agent registers rank 0's
+KV slice only. Ranks 1..N-1 each run a RankAgent (rank_agent.py) over their own slice; their
+hellos (agent, slice) arrive on the RankLink (rank_link.py) before this manager is built, and
+the handshake with the other instance carries every rank's agent and head range.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ from typing import Any
 import zmq
 
 from common.zmq_curve import CurveSecurity
-from kv_transfer.base import FailureCause, KVManagerArgs, KVSlice, KVTransferError, StateCell
+from kv_transfer.base import FailureCause, KVManagerArgs, KVTransferError, StateCell
 from kv_transfer.decode_side import DecodeSide
 from kv_transfer.endpoint import make_endpoint
 from kv_transfer.faults import FaultInjector, FaultSpec
@@ -30,6 +35,8 @@ from kv_transfer.head_slices import HeadSlice, total_heads, wire_slices
 from kv_transfer.messages import PROTOCOL_VERSION, PrefillInfo, Register
 from kv_transfer.metrics import TransferMetrics
 from kv_transfer.prefill_side import PrefillSide
+from kv_transfer.rank_link import RankLink
+from kv_transfer.rank_messages import RankHello
 from kv_transfer.side import Side, layout_to_wire, log
 from kv_transfer.ucx_env import ucx_pinned_to
 
@@ -44,30 +51,42 @@ class KVManager:
         layout = args.layout
         if len(args.k_buffers) != layout.num_layers or len(args.v_buffers) != layout.num_layers:
             raise ValueError(f"need {layout.num_layers} K and V buffers")
-        slices = [KVSlice(args.kv_head_start, args.k_buffers, args.v_buffers), *args.rank_slices]
         want = layout.num_pages * layout.page_bytes
-        for sl in slices:
-            if len(sl.k_buffers) != layout.num_layers or len(sl.v_buffers) != layout.num_layers:
-                raise ValueError(f"need {layout.num_layers} K and V buffers per TP rank")
-            for t in (*sl.k_buffers, *sl.v_buffers):
-                if t.numel() * t.element_size() != want or not t.is_contiguous():
-                    raise ValueError(f"each KV buffer must be contiguous and {want} bytes (layout {layout})")
-        self.head_slices = [
-            HeadSlice(sl.head_start, layout.num_kv_heads, [t.data_ptr() for t in (*sl.k_buffers, *sl.v_buffers)])
-            for sl in slices
-        ]
+        kv = [*args.k_buffers, *args.v_buffers]
+        for t in kv:
+            if t.numel() * t.element_size() != want or not t.is_contiguous():
+                raise ValueError(f"each KV buffer must be contiguous and {want} bytes (layout {layout})")
         self.args = args
         self.role = args.role
         self.cfg = args.config
         self.layout = layout
         self.faults = FaultInjector(FaultSpec.parse(self.cfg.faults))
         self.metrics = TransferMetrics(args.role, args.registry)  # type: ignore[arg-type]
-        kv = [t for sl in slices for t in (*sl.k_buffers, *sl.v_buffers)]
         make = args.endpoint_factory or (lambda *a: make_endpoint(args.backend, *a))
         with ucx_pinned_to(args.bootstrap_host):  # UCX listens on --host's interface only
             self.endpoint = make(args.role, kv, args.aux_buffer.tensor, self.faults)
         self.agent_name = self.endpoint.name
+        self.registered_kv_bytes = sum(t.numel() * t.element_size() for t in kv)
         self._ctx = zmq.Context()
+        self.link: RankLink | None = None
+        hellos: list[RankHello] = []
+        if args.tp_size > 1:
+            self.link = RankLink(args.tp_link, self._ctx, self.cfg.send_hwm)
+            try:
+                hellos = self.link.wait_hellos(args.tp_size - 1, self.cfg.handshake_timeout_s)
+                for h in hellos:
+                    if len(h.bases) != 2 * layout.num_layers or h.kv_mem_type != self.endpoint.kv_mem_type:
+                        raise ValueError(f"TP rank {h.rank}'s agent holds {len(h.bases)} {h.kv_mem_type} buffers, "
+                                         f"rank 0's {len(kv)} {self.endpoint.kv_mem_type}")
+            except Exception:
+                self.link.close()
+                self.endpoint.close()
+                self._ctx.term()
+                raise
+        self.head_slices = [
+            HeadSlice(args.kv_head_start, layout.num_kv_heads, [t.data_ptr() for t in kv], self.endpoint.kv_device),
+            *(HeadSlice(h.head_start, layout.num_kv_heads, h.bases, h.kv_device) for h in hellos),
+        ]
         self.security = CurveSecurity(self._ctx, args.cluster_secret, self.cfg.max_msg_bytes)
         self._poller = zmq.Poller()
         self._cmds: queue.SimpleQueue[object] = queue.SimpleQueue()
@@ -75,6 +94,8 @@ class KVManager:
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
         self._poller.register(self._wake_r, zmq.POLLIN)
+        if self.link is not None:
+            self._poller.register(self.link.sock, zmq.POLLIN)
         self._stop = threading.Event()
         self._closed = False
         self._accepting = True  # False once the thread is leaving: new handles fail at once
@@ -99,11 +120,11 @@ class KVManager:
             self._poller.register(router, zmq.POLLIN)
             info = PrefillInfo(
                 PROTOCOL_VERSION, self.agent_name, host, self.bootstrap_port, layout_to_wire(layout), args.aux_buffer.row_bytes,
-                args.rank, wire_slices(self.head_slices),
+                args.rank, wire_slices(self.head_slices), [h.agent_name for h in hellos],
             )
             self.side = PrefillSide(
                 layout=layout, slices=self.head_slices, aux=args.aux_buffer, info=info, faults=self.faults, sock=router,
-                **common,
+                link=self.link, **common,
             )
         elif args.role == "decode":
             self.bootstrap_port = 0
@@ -121,6 +142,8 @@ class KVManager:
                 args.aux_buffer.num_slots,
                 secrets.token_bytes(16),
                 wire_slices(self.head_slices),
+                [h.agent_metadata for h in hellos],
+                [hs.device for hs in self.head_slices],
             )
             self.side = DecodeSide(layout=layout, aux=args.aux_buffer, register=reg, total_heads=total_heads(self.head_slices),
                                    **common)
@@ -150,6 +173,11 @@ class KVManager:
     def stats(self) -> dict[str, Any]:
         out = self.metrics.stats()
         out["injected_faults"] = dict(self.faults.injected)
+        out["rank0_registered_bytes"] = self.registered_kv_bytes  # KV only (the aux buffer aside)
+        if isinstance(self.side, PrefillSide):
+            out["rank0_descriptors"], out["rank0_bytes"] = self.side.own_descs, self.side.own_bytes
+        if self.link is not None:
+            out.update(self.link.rank_stats(moves=self.role == "prefill"))
         return out
 
     def health(self) -> str | None:
@@ -241,9 +269,13 @@ class KVManager:
                 self._drain_commands()
                 self._guarded(self.side.check_peers, time.monotonic())
                 for sock in events:
-                    if isinstance(sock, zmq.Socket):
+                    if self.link is not None and sock is self.link.sock:
+                        self._guarded(self.link.on_readable, sock)
+                    elif isinstance(sock, zmq.Socket):
                         self._guarded(self.side.on_readable, sock)
                 busy = bool(self._guarded(self.side.tick, time.monotonic()))
+                if self.link is not None and self.role == "decode":
+                    self.link.pace(busy)
         except Exception:  # the thread ends: health() reports it, the finally fails every handle
             log.exception("kv_transfer thread crashed")
         finally:
@@ -253,6 +285,8 @@ class KVManager:
             self.side.shutdown()
             if self.side.sock is not None:
                 self.side.sock.close(linger=0)
+            if self.link is not None:
+                self.link.close()
 
     def _guarded(self, fn: Callable[..., object], arg: object) -> object:
         """Run one unit of the thread's work; a bug in it is logged, not fatal to the thread."""

@@ -20,8 +20,9 @@ from __future__ import annotations
 
 import msgspec
 
-PROTOCOL_VERSION = 4  # 2: TransferRequest.skip_pages (decode's prefix cache); 3: Register.instance_token;
-# 4: head_slices (tensor parallelism: one [first head, heads] per TP rank; bases are per slice)
+PROTOCOL_VERSION = 5  # 2: TransferRequest.skip_pages (decode's prefix cache); 3: Register.instance_token;
+# 4: head_slices (tensor parallelism: one [first head, heads] per TP rank; bases are per slice);
+# 5: one NIXL agent per TP rank (Register.rank_agents, kv_devices; PrefillInfo.rank_agents)
 
 
 class WireLayout(msgspec.Struct, frozen=True, array_like=True):
@@ -44,6 +45,7 @@ class PrefillInfo(msgspec.Struct, frozen=True, array_like=True):
     aux_row_bytes: int
     rank: int = 0
     head_slices: list[list[int]] = []  # [first KV head, heads] of each TP rank; [] = one slice of all
+    rank_agents: list[str] = []  # agent names of TP ranks 1..N-1 (each writes its own heads)
 
 
 class Register(msgspec.Struct, frozen=True, array_like=True, tag="reg"):
@@ -60,6 +62,8 @@ class Register(msgspec.Struct, frozen=True, array_like=True, tag="reg"):
     aux_slots: int
     instance_token: bytes  # random per decode manager: only its holder may replace this agent's registration
     head_slices: list[list[int]] = []  # per TP rank [first KV head, heads]; k_bases / v_bases are slice-major
+    rank_agents: list[bytes] = []  # agent metadata of TP ranks 1..N-1: slice r lives in rank r's agent
+    kv_devices: list[int] = []  # per slice: its GPU (VRAM); [] = kv_device for every slice
 
 
 class RegisterAck(msgspec.Struct, frozen=True, array_like=True, tag="ack"):

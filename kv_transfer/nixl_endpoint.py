@@ -36,9 +36,10 @@ class NixlEndpoint:
     """The NIXL (UCX) implementation of kv_transfer.endpoint.TransferEndpoint."""
 
     def __init__(
-        self, role: str, kv_tensors: list[torch.Tensor], aux_tensor: torch.Tensor, faults: FaultInjector
+        self, role: str, kv_tensors: list[torch.Tensor], aux_tensor: torch.Tensor | None, faults: FaultInjector
     ) -> None:
-        for t in (*kv_tensors, aux_tensor):
+        tensors = [*kv_tensors, *([] if aux_tensor is None else [aux_tensor])]
+        for t in tensors:
             if not t.is_contiguous():
                 raise ValueError("NIXL needs contiguous buffers")
         self.name = unique_agent_name(role)
@@ -48,8 +49,9 @@ class NixlEndpoint:
         self._reg = []
         if kv_tensors:
             self._reg.append(self.agent.register_memory(kv_tensors))
-        self._reg.append(self.agent.register_memory(aux_tensor))
-        self.aux_base = aux_tensor.data_ptr()
+        if aux_tensor is not None:
+            self._reg.append(self.agent.register_memory(aux_tensor))
+        self.aux_base = 0 if aux_tensor is None else aux_tensor.data_ptr()
 
     def metadata(self) -> bytes:
         return self.agent.get_agent_metadata()

@@ -7,6 +7,12 @@ Runs only in the KVManager's background thread. Per room:
     last SendCmd ──> write our aux row, post its WRITE
     all handles DONE ──> Status(ok) to decode ──> Success
     any failure/abort ──> stop posting, let posted handles settle ──> Status(failed) (= drain ack)
+
+Tensor parallelism: slice i of `slices` is TP rank i's KV, registered by that rank's own agent.
+Each send posts one WRITE per (source rank, destination rank) pair of head ranges, from the
+source rank's agent (rank 0: this endpoint; rank r: its RankAgent through `link`) to the
+destination rank's agent; a room succeeds only when every rank's WRITEs are DONE (a rank
+reports a post only once it settled). The aux row goes from rank 0 to decode rank 0.
 """
 
 from __future__ import annotations
@@ -22,7 +28,7 @@ import numpy as np
 from common.cache.kv_pool import KVLayout
 from kv_transfer.aux_buffer import AuxBuffer, AuxRow, AuxSlotAllocator
 from kv_transfer.base import FailureCause, KVPoll, TransferConfig
-from kv_transfer.descriptors import coalesce_pages
+from kv_transfer.descriptors import DescArrays, coalesce_pages
 from kv_transfer.endpoint import EndpointError, PostedXfer, TransferEndpoint
 from kv_transfer.faults import FaultInjector
 from kv_transfer.handles import AbortCmd, KVSender, SendCmd
@@ -49,6 +55,7 @@ from kv_transfer.messages import (
     Status,
     TransferRequest,
 )
+from kv_transfer.rank_link import RankLink
 from kv_transfer.side import Side, layout_from_wire
 
 
@@ -56,9 +63,10 @@ from kv_transfer.side import Side, layout_from_wire
 class _DecodePeer:
     identity: bytes
     reg: Register
-    nixl_name: str
+    nixl_name: str  # decode rank 0's agent (the aux row's target)
     last_seen: float
     pairs: list[tuple[HeadSlice, HeadSlice, HeadPair]]  # which of our slices writes which heads of theirs
+    agents: list[str] = field(default_factory=list)  # agent of each of their slices (TP rank r: slice r)
 
 
 @dataclass
@@ -119,11 +127,14 @@ class PrefillSide(Side):
         aux: AuxBuffer,
         info: PrefillInfo,
         faults: FaultInjector,
+        link: RankLink | None = None,
         **kw: object,
     ) -> None:
         super().__init__(cfg=cfg, endpoint=endpoint, **kw)  # type: ignore[arg-type]
         self.layout = layout
         self.slices = slices
+        self.link = link  # TP > 1: the agents of ranks 1..N-1 (slices[1:])
+        self.own_descs = self.own_bytes = 0  # KV WRITEs rank 0's agent posted (its own heads)
         self.aux = aux
         self.aux_slots = AuxSlotAllocator(aux.num_slots)
         self.info = info
@@ -183,7 +194,9 @@ class PrefillSide(Side):
         else:
             remote = layout_from_wire(msg.layout)
             try:
-                theirs = slices_from_wire(msg.head_slices, msg.k_bases, msg.v_bases, remote)
+                theirs = slices_from_wire(msg.head_slices, msg.k_bases, msg.v_bases, remote, msg.kv_devices or None)
+                if msg.rank_agents and len(msg.rank_agents) != len(theirs) - 1:
+                    raise ValueError(f"{len(msg.rank_agents)} TP rank agents for {len(theirs)} slices")
             except ValueError as e:
                 theirs, reason = [], f"decode sent inconsistent KV buffers: {e}"
             if reason is None:
@@ -195,13 +208,20 @@ class PrefillSide(Side):
         if reason is None:
             reason = self._admit(identity, msg)
         if reason is None:
+            added: list[str] = []
             try:
-                name = self.endpoint.add_peer(msg.agent_metadata)
+                for md in (msg.agent_metadata, *msg.rank_agents):
+                    added.append(self.endpoint.add_peer(md))
             except EndpointError as e:
+                for name in added:
+                    self.endpoint.remove_peer(name)
                 reason, cause = str(e), FailureCause.HANDSHAKE
             else:
+                if self.link is not None:
+                    self.link.add_peer([msg.agent_metadata, *msg.rank_agents])
                 pairs = [(self.slices[p.src], theirs[p.dst], p) for p in pair_slices(self.slices, theirs)]
-                self.peers[identity] = _DecodePeer(identity, msg, name, now, pairs)
+                agents = added if msg.rank_agents else added * len(theirs)  # one agent holding every slice
+                self.peers[identity] = _DecodePeer(identity, msg, added[0], now, pairs, agents)
                 self.reply(identity, RegisterAck(self.info))
                 return
         self.log.warning("refused decode %s: %s", msg.agent_name, reason)
@@ -330,17 +350,40 @@ class PrefillSide(Side):
             return
         dst = dst_pages[room.next_dst : room.next_dst + pages.size]
         runs = coalesce_pages(pages, dst)
-        descs = concat_descs([
-            build_sliced_descs(runs, self.layout, src, dst_slice, pair, self.endpoint.kv_device, peer.reg.kv_device)
-            for src, dst_slice, pair in peer.pairs
-        ])
         if room.first_post is None:
             room.first_post = time.monotonic()
-        xfer = self.endpoint.post_write(descs.local, descs.remote, self.endpoint.kv_mem_type, peer.nixl_name, descs.nbytes)
-        room.outstanding.append(xfer)
+        by_route: dict[tuple[int, str], list[DescArrays]] = {}  # (source rank, destination agent)
+        for src, dst_slice, pair in peer.pairs:
+            by_route.setdefault((pair.src, peer.agents[pair.dst]), []).append(
+                build_sliced_descs(runs, self.layout, src, dst_slice, pair))
+        for (rank, agent), parts in by_route.items():
+            descs = concat_descs(parts)
+            xfer = self._post_write(rank, descs, agent)
+            room.outstanding.append(xfer)
+            room.nbytes += descs.nbytes
+            self.metrics.posted(descs.nbytes, xfer.ndescs)
         room.next_dst += pages.size
-        room.nbytes += descs.nbytes
-        self.metrics.posted(descs.nbytes, xfer.ndescs)
+
+    def _post_write(self, rank: int, descs: DescArrays, agent: str) -> PostedXfer:
+        """One WRITE from TP rank `rank`'s agent (its own slice) to `agent`."""
+        if rank == 0:
+            xfer = self.endpoint.post_write(descs.local, descs.remote, self.endpoint.kv_mem_type, agent, descs.nbytes)
+            self.own_descs += xfer.ndescs
+            self.own_bytes += descs.nbytes
+            return xfer
+        assert self.link is not None, "a source slice of another rank without a link (bug)"
+        return self.link.post_write(rank, descs.local, descs.remote, self.endpoint.kv_mem_type, agent, descs.nbytes)
+
+    def _is_done(self, xfer: PostedXfer, inject: bool) -> bool:
+        if xfer.rank == 0 or self.link is None:
+            return self.endpoint.is_done(xfer, inject=inject)
+        return self.link.is_done(xfer, inject=inject)
+
+    def _release(self, xfer: PostedXfer) -> None:
+        if xfer.rank == 0 or self.link is None:
+            self.endpoint.release(xfer)
+        else:
+            self.link.release(xfer)
 
     def _post_aux(self, room: _Room, peer: _DecodePeer, aux: AuxRow) -> None:
         assert room.src_aux is not None
@@ -365,7 +408,11 @@ class PrefillSide(Side):
         if self.peers.get(peer.identity) is not peer:
             return  # already dropped (a settling transfer of its rooms may raise again)
         self.peers.pop(peer.identity)
-        self.endpoint.remove_peer(peer.nixl_name)
+        names = list(dict.fromkeys(peer.agents or [peer.nixl_name]))
+        for name in names:
+            self.endpoint.remove_peer(name)
+        if self.link is not None:
+            self.link.drop_peer(names)
         for room in self.rooms.values():
             if room.peer is peer:
                 self._room_failed(room, cause, reason)
@@ -401,18 +448,18 @@ class PrefillSide(Side):
         still = []
         for xfer in room.outstanding:
             try:
-                done = self.endpoint.is_done(xfer, inject=room.failed_at is None)
+                done = self._is_done(xfer, room.failed_at is None)
             except EndpointError as e:
                 self._room_failed(room, FailureCause.TRANSFER_ERROR, str(e))
                 if e.terminal:
-                    self.endpoint.release(xfer)
+                    self._release(xfer)
                 else:  # its writes may still land: decode hears of the failure once they settled
                     still.append(xfer)
                 if room.peer is not None and not e.injected:
                     self._drop_peer(room.peer, FailureCause.TRANSFER_ERROR, f"NIXL error towards decode: {e}")
                 continue
             if done:
-                self.endpoint.release(xfer)
+                self._release(xfer)
             else:
                 still.append(xfer)
         room.outstanding = still
@@ -420,7 +467,7 @@ class PrefillSide(Side):
             if room.outstanding and now - room.failed_at < self.cfg.settle_timeout_s:
                 return
             for xfer in room.outstanding:
-                self.endpoint.release(xfer)
+                self._release(xfer)
             self._finish(room, ok=False)
         elif room.last_posted and not room.outstanding and not room.pending:
             self._finish(room, ok=True)
@@ -449,7 +496,7 @@ class PrefillSide(Side):
         for room in list(self.rooms.values()):
             self._room_failed(room, FailureCause.SHUTDOWN, "prefill KVManager shut down")
             for xfer in room.outstanding:
-                self.endpoint.release(xfer)
+                self._release(xfer)
             room.outstanding.clear()
             self._finish(room, ok=False)
 

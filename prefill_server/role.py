@@ -15,7 +15,8 @@ from prefill_server.scheduler import PrefillScheduler
 
 def prefill_role(args: ServerArgs, transfer_factory: TransferFactory = KVManager) -> RoleSpec:
     def build(parts: SchedulerParts) -> RoleEngine:
-        manager = make_kv_manager("prefill", args, parts.kv_pool, AuxBuffer(aux_slots(args)), transfer_factory)
+        manager = make_kv_manager("prefill", args, parts.kv_pool, AuxBuffer(aux_slots(args)), transfer_factory,
+                                  parts.kv_link)
         scheduler = PrefillScheduler(
             parts.cfg, parts.executor, parts.kv, future_capacity=parts.future_capacity, output=parts.output,
             transfer=manager,

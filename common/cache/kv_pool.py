@@ -86,8 +86,9 @@ class KVPool:
         self.device = torch.device(device)
         self.streams = streams or HostStreams(self.device)
         shape = (num_pages * page_size, num_kv_heads, head_dim)
-        # Other TP ranks' pools as this process maps them (rank 0 of a TP instance on CPU): retraction
-        # copies and KV transfers cover every rank's heads through them.
+        # Other TP ranks' pools as this process maps them (rank 0 of a TP instance on CPU): decode
+        # retraction's host copies cover every rank's heads through them (KV transfers do not: each
+        # rank's own NIXL agent moves its heads, kv_transfer/rank_agent.py).
         self.rank_views: list[KVPool] = []
         if shared_path is not None:
             buffers = shared_host_buffers(shared_path, [shape] * (2 * num_layers), dtype, create=not attach)

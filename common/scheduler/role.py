@@ -39,6 +39,7 @@ class SchedulerParts:
     kv_pool: KVPool
     future_capacity: int
     output: OutputSink
+    kv_link: str = ""  # TP > 1: where ranks 1..N-1's KV transfer agents connect (kv_transfer/rank_link.py)
 
 
 class TransferService(Protocol):

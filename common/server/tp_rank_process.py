@@ -1,6 +1,8 @@
 """The body of TP rank r > 0 (started by TPRanks in rank 0's engine process).
 
     join the group -> build this rank's RankWorker (its shard, its KV pool slice) -> barrier
+    -> PD roles: this rank's KV transfer agent (kv_transfer/rank_agent.py: its own NIXL agent over
+       its own KV slice, driven by rank 0's KVManager)
     -> TPFollower.serve(): run rank 0's steps until TPStop or until rank 0 is gone
 
 An exception (a collective that fails because another rank died) ends the process with
@@ -14,6 +16,7 @@ import os
 import signal
 import sys
 
+from common.cache.kv_pool import KVPool
 from common.server.engine_handle import configure_logging
 from common.server.server_args import ServerArgs
 from common.server.tp_ranks import TPAddrs, init_tp_group, set_rank_threads
@@ -39,8 +42,21 @@ def _serve(args: ServerArgs, rank: int, addrs: TPAddrs, parent_pid: int) -> None
     device = resolve_device(args.device, args.base_gpu_id + rank)
     set_rank_threads(device, args.tp_size)
     tp = init_tp_group(rank, args.tp_size, addrs, device, args.engine_start_timeout)
-    rw = build_rank_worker(args, tp, kv_shared_path=addrs.kv_pools[rank])
+    rw = build_rank_worker(args, tp, kv_shared_path=addrs.kv_pools[rank] if addrs.kv_pools else None)
     follower = TPFollower(rw.worker, addrs.steps[rank - 1])
+    if args.disaggregation_mode in ("prefill", "decode"):  # its hello reaches rank 0's KVManager (rank_link.py)
+        _start_transfer_agent(args, rank, addrs, rw.runner.kv_pool)
     tp.barrier()
     logger.info("TP rank %d of %d ready on %s (%d KV heads)", rank, tp.size, device, rw.runner.kv_pool.num_kv_heads)
     follower.serve(lambda: os.getppid() == parent_pid)
+
+
+def _start_transfer_agent(args: ServerArgs, rank: int, addrs: TPAddrs, pool: KVPool) -> None:
+    from common.disaggregation import transfer_config
+    from kv_transfer.rank_agent import RankAgent, RankAgentArgs
+
+    RankAgent(RankAgentArgs(
+        role=args.disaggregation_mode, rank=rank, link_addr=addrs.kv_link, k_buffers=pool.k_buffers,
+        v_buffers=pool.v_buffers, kv_head_start=pool.kv_head_start, bootstrap_host=args.host,
+        backend=args.disaggregation_transfer_backend, config=transfer_config(args),
+    ), on_crash=lambda: os._exit(1))  # its daemon thread serves until this process ends; a crash ends the rank

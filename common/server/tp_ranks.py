@@ -4,6 +4,8 @@
       └─ TPRanks.start(): ranks 1..N-1, each tp_rank_process.tp_rank_main in a spawned process
     all N join one torch.distributed group (gloo on CPU, NCCL on CUDA; init through a file
     store next to the instance's ipc files), load their shard, meet at a barrier, then serve.
+    PD roles: before the barrier each rank r > 0 starts its own KV transfer agent, which says
+    hello on TPAddrs.kv_link to rank 0's KVManager (kv_transfer/rank_agent.py, rank_link.py).
 
 Rank r runs on cuda:(base_gpu_id + r). A rank that dies takes the instance down: rank 0 sees
 it (dead_reason, or a collective that raises) and exits, which fails the frontend's /health;
@@ -41,16 +43,20 @@ class TPAddrs:
 
     dist_init: str  # file:// init_method of torch.distributed
     steps: tuple[str, ...]  # ipc:// inbox of ranks 1..N-1 (abstract: no file)
-    kv_pools: tuple[str, ...]  # CPU: the shared file of each rank's KV pool (rank 0 maps them all)
+    kv_pools: tuple[str, ...]  # decode on CPU: each rank's KV pool file (rank 0 maps them: retraction); else ()
+    kv_link: str  # PD: rank 0's KVManager, where the KV transfer agents of ranks 1..N-1 connect
 
     @classmethod
-    def new(cls, size: int) -> TPAddrs:
+    def new(cls, size: int, kv_files: bool = False) -> TPAddrs:
+        """kv_files: the ranks' KV pools live in shared files (decode, whose retraction copies
+        every rank's heads through rank 0); elsewhere each rank's pool is its own memory."""
         tag = f"pdserve_tp_{os.getpid()}_{secrets.token_hex(4)}"
         stem = os.path.join(tempfile.gettempdir(), tag)
         shm = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
         # steps: Linux abstract ipc sockets (no file to leave behind)
         return cls(dist_init=f"file://{stem}_dist", steps=tuple(f"ipc://@{tag}_rank{r}" for r in range(1, size)),
-                   kv_pools=tuple(os.path.join(shm, f"{tag}_kv{r}") for r in range(size)))
+                   kv_pools=tuple(os.path.join(shm, f"{tag}_kv{r}") for r in range(size)) if kv_files else (),
+                   kv_link=f"ipc://@{tag}_kvlink")
 
     def remove_files(self) -> None:
         """Unlinked files stay valid where they are open or mapped (sockets, store, KV pools)."""
@@ -87,7 +93,7 @@ class TPRanks:
 
     def __init__(self, args: ServerArgs) -> None:
         self.size = args.tp_size
-        self.addrs = TPAddrs.new(self.size)
+        self.addrs = TPAddrs.new(self.size, kv_files=args.disaggregation_mode == "decode")
         self.fanout = StepFanout(list(self.addrs.steps))
         self._started = threading.Event()
         ctx = multiprocessing.get_context("spawn")

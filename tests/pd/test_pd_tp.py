@@ -5,8 +5,10 @@ TP 2 (a TP 2 instance is rank 0 plus one rank process). The tiny llama has 2 KV 
 TP 2 side holds one head per rank and each transfer cuts pages head-wise (TP 2 -> TP 2 moves
 whole pages rank to rank). Greedy outputs equal transformers' (= colocated TP 1, pinned there
 by tests/engine), with prompts longer than a prefill chunk and a second round that hits
-prefill's prefix cache. Last, kill -9 of decode TP 2's rank 1 mid-stream: the instance goes
-down (/health fails), every client errors within the heartbeat bound, prefill leaks no page.
+prefill's prefix cache. Each rank's own NIXL agent registers only its own KV slice and writes
+only its own heads (per-rank counters), and an injected WRITE failure on prefill rank 1 fails
+that room alone. Last, kill -9 of decode TP 2's rank 1 mid-stream: the instance goes down
+(/health fails), every client errors within the heartbeat bound, prefill leaks no page.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ SLOW_STEP_S = 0.02
 class Instances:
     prefill: dict[int, RoleProcess]  # by TP size
     decode: dict[int, RoleProcess]
+    prefill_args: list[str]  # the prefills' flags (but --tp-size)
 
     def pair(self, prefill_tp: int, decode_tp: int) -> PDPair:
         return PDPair(self.prefill[prefill_tp], self.decode[decode_tp])
@@ -61,6 +64,7 @@ def instances(request: pytest.FixtureRequest, tiny_llama_path: str) -> Iterator[
         decode={1: RoleProcess("decode_server", model, *common),
                 2: RoleProcess("decode_server", model, *common, "--tensor-parallel-size", "2",
                                "--engine-fault-spec", f"slow_step_s={SLOW_STEP_S}")},
+        prefill_args=prefill,
     )
     try:
         for role in inst.all():
@@ -94,6 +98,58 @@ def test_pd_across_tp_sizes_equals_transformers(instances: Instances, tiny_llama
         assert res.output_ids == hf_greedy(tiny_llama_path, prompt, 4)
     assert sum(r.events[-1]["meta_info"]["cached_tokens"] for r in results) > 0  # prefill's prefix cache served
     pair.wait_whole()
+
+
+def _pools(role: RoleProcess) -> dict[str, float]:
+    return httpx.get(role.url + "/server_info", timeout=5.0).json()["pools"]  # type: ignore[no-any-return]
+
+
+def _rank_moved(role: RoleProcess, tp: int) -> list[tuple[float, float]]:
+    """(bytes, descriptors) each prefill rank's own agent wrote so far."""
+    return [(role.stat(f"kv_transfer_rank{r}_bytes") or 0.0, role.stat(f"kv_transfer_rank{r}_descriptors") or 0.0)
+            for r in range(tp)]
+
+
+@pytest.mark.parametrize(("prefill_tp", "decode_tp"), [(1, 2), (2, 1), (2, 2)], ids=["tp1-tp2", "tp2-tp1", "tp2-tp2"])
+def test_each_rank_agent_registers_and_writes_only_its_own_heads(instances: Instances, prefill_tp: int,
+                                                                 decode_tp: int) -> None:
+    pair = instances.pair(prefill_tp, decode_tp)
+    for role, tp in ((pair.prefill, prefill_tp), (pair.decode, decode_tp)):
+        one_slice = _pools(role)["kv_pool_bytes"]  # rank 0's pool: one rank's heads
+        for rank in range(tp):  # every rank's agent registered its own slice, and nothing more
+            assert role.stat(f"kv_transfer_rank{rank}_registered_bytes") == one_slice, (role.module, rank)
+        assert role.stat(f"kv_transfer_rank{tp}_registered_bytes") is None
+    before = _rank_moved(pair.prefill, prefill_tp)
+    results = pair.run([pair.body(p, 2) for p in workload(4, seed=3)])
+    assert all(r.error is None for r in results), results
+    moved = [(b - b0, d - d0) for (b, d), (b0, d0) in zip(_rank_moved(pair.prefill, prefill_tp), before, strict=True)]
+    assert all(nbytes > 0 and ndescs > 0 for nbytes, ndescs in moved), moved
+    if prefill_tp == 2:  # 2 KV heads: each rank holds one and wrote exactly that half of every page
+        assert moved[0] == moved[1], moved
+    pair.wait_whole()
+
+
+def test_a_failed_write_of_prefill_rank_1_fails_its_room_only(instances: Instances, tiny_llama_path: str,
+                                                              request: pytest.FixtureRequest) -> None:
+    """Rank 1's agent fails its first post (injected): that room fails on both sides, rank 0
+    reports it only after its own writes settled, no page leaks, and the next room goes through."""
+    if request.node.callspec.params["instances"] != 16:
+        pytest.skip("once is enough: a failed post is the same at any page size")
+    faulty = RoleProcess("prefill_server", Path(tiny_llama_path), *instances.prefill_args, "--tp-size", "2",
+                         "--disaggregation-fault-spec", "rank=1,fail_post_nth=1")
+    try:
+        faulty.wait_healthy()
+        pair = PDPair(faulty, instances.decode[2])
+        prompt = workload(2, seed=9)[0]
+        (failed,) = pair.run([pair.body(prompt, 8)])
+        assert failed.error is not None and failed.prefill_status >= 500, failed
+        assert "injected" in str(failed.error) or "injected" in str(failed.prefill_body), failed
+        assert faulty.stat("kv_transfer_rank1_failed_posts") == 1
+        (ok,) = pair.run([pair.body(prompt, 8)])
+        assert ok.error is None and ok.output_ids == hf_greedy(tiny_llama_path, prompt, 8), ok
+        pair.wait_whole()
+    finally:
+        faulty.stop()
 
 
 def _rank_pids(engine_pid: int) -> list[int]:
