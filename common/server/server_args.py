@@ -202,14 +202,12 @@ class ServerArgs:
 
     @property
     def overlap_schedule(self) -> bool:
-        """The overlap loop runs the forward in a second thread. On CUDA that thread only
-        launches kernels; on CPU it computes, and there it ran 1.5x slower than the normal loop
-        until its OpenMP pool became the process's only one (common/model/intra_op.py). CPU
-        keeps the normal loop by default until a quiet-box bench/engine.py shows overlap >= 1.0x;
-        --enable-cpu-overlap-schedule runs overlap there."""
-        if self.disable_overlap_schedule:
-            return False
-        return self.enable_cpu_overlap_schedule or self.resolved_device() != "cpu"
+        """The overlap loop (the default on every device) runs the forward in a second thread.
+        On CUDA that thread only launches kernels; on CPU it computes, and there it ran 1.5x
+        slower than the normal loop until its OpenMP pool became the process's only one
+        (common/model/intra_op.py); since then it is 1.03x the normal loop on a quiet 2-core box
+        (bench/engine.py). --disable-overlap-schedule runs the normal loop."""
+        return not self.disable_overlap_schedule
 
     def resolved_device(self) -> str:
         """ "auto" -> "cuda" when torch sees a GPU, else "cpu" (imports torch)."""
@@ -271,7 +269,7 @@ _HELP: dict[str, str] = {
     "schedule_policy": "waiting queue order",
     "schedule_conservativeness": "scales the initial new_token_ratio",
     "disable_overlap_schedule": "run the scheduler and the forward in lock step",
-    "enable_cpu_overlap_schedule": "use the overlap loop on CPU too (default there: the normal loop)",
+    "enable_cpu_overlap_schedule": "accepted for compatibility: the overlap loop is the default on CPU too",
     "enable_mixed_chunk": "run a prefill chunk and decode steps in one batch",
     "disable_radix_cache": "no prefix cache",
     "attention_backend": "attention kernels (auto: flashinfer on CUDA when installed, torch elsewhere)",

@@ -45,8 +45,8 @@ def workload(n: int, seed: int) -> list[list[int]]:
 def pair(request: pytest.FixtureRequest, tiny_llama_path: str) -> Iterator[PDPair]:
     page_size, overlap = request.param
     ps = str(page_size)
-    # both loops on both page sizes (CPU defaults to the normal loop; the overlap loop is forced)
-    loop = ["--enable-cpu-overlap-schedule"] if overlap else []
+    # both loops on both page sizes (the overlap loop is the default)
+    loop = [] if overlap else ["--disable-overlap-schedule"]
     p = start_pair(Path(tiny_llama_path),
                    ["--page-size", ps, "--chunked-prefill-size", "32", "--max-total-tokens", "8192", *loop],
                    ["--page-size", ps, "--max-total-tokens", "8192", *loop])

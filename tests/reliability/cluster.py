@@ -38,7 +38,7 @@ VOCAB = 384
 HOLD_FILE = Path(tempfile.gettempdir()) / f"pdserve-rel-hold-{os.getpid()}"  # p_slow's stalled link
 HB = ["--disaggregation-heartbeat-interval", str(HB_INTERVAL_S),
       "--disaggregation-heartbeat-timeout", str(HB_TIMEOUT_S)]
-# The overlap loop (CUDA's default; CPU's is the normal loop): the matrix covers it, and its
+# The overlap loop (the default; named so the cases keep it): the matrix covers it, and its
 # timing windows (a kill must catch requests in one state) were tuned on it.
 PAGE = ["--page-size", "4", "--enable-cpu-overlap-schedule"]
 PREFILL = [*PAGE, *HB, "--chunked-prefill-size", "16", "--max-total-tokens", "16384",
