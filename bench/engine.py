@@ -20,6 +20,8 @@ and each side keeps its best, so load from elsewhere on a shared box hits both a
      (bench/engine_loops.py)                                  -> overlap_vs_normal
   4. levers: decode forward with vs without oneDNN weight prepacking, batch 1 and 32
                                                               -> prepack_speedup_b1/_bs32
+     with bf16: --quantization int8 (weight-only) vs the eager (prepacked) bf16 step
+                                                              -> int8_speedup_b1/_bs32
      with --torch-compile: the inductor-compiled decode step vs the eager (prepacked) one
                                                               -> compile_speedup_b1/_bs32
 Last line: RESULT {json} with those keys, the tok/s behind them, the CPU (model, flags), the
@@ -171,7 +173,8 @@ def main(argv: list[str] | None = None) -> None:
         steady_normal_tok_s=round(toks / t_child_normal, 1), steady_overlap_tok_s=round(toks / t_child_overlap, 1),
     )
 
-    # 4. levers: oneDNN weight prepacking, and (--torch-compile) the inductor-compiled decode step
+    # 4. levers: oneDNN weight prepacking, weight-only int8 (bf16), and (--torch-compile) the
+    # inductor-compiled decode step
     runner = normal.core.runner
     levers: list[tuple[str, ModelRunner]] = []
     if runner.weights_prepacked:
@@ -184,6 +187,9 @@ def main(argv: list[str] | None = None) -> None:
         wanted = {1, batch}
         compiled.enable_decode_graphs(batch, SomeBuckets(capture, wanted))
         levers.append(("compile", compiled))
+    if dtype_name == "bfloat16":  # --quantization int8 runs with bf16 activations only
+        levers.append(("int8", ModelRunner(path, dtype=dtype, kv_pool=runner.kv_pool,
+                                           req_to_token=runner.req_to_token, quantization="int8")))
     for name, other in levers:
         for b, key in ((1, f"{name}_speedup_b1"), (batch, f"{name}_speedup_bs{batch}")):
             base, lever = (other, runner) if name == "prepack" else (runner, other)

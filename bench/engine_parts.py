@@ -45,7 +45,7 @@ def weight_bytes_per_token(runner: ModelRunner) -> int:
     embed = model.model.embed_tokens.weight
     embed_bytes = embed.numel() * embed.element_size()
     total = sum(p.numel() * p.element_size() for p in model.parameters()) - embed_bytes
-    head_reads_embedding = model.packed_head is None and model.lm_head is None
+    head_reads_embedding = model.head_linear is None and model.lm_head is None
     return total + (embed_bytes if head_reads_embedding else 0)
 
 

@@ -180,6 +180,7 @@ def build_rank_worker(
     runner = ModelRunner(
         model_path, dtype=dtype, device=device, kv_pool=create_kv_pool, req_to_token=req_pool.table,
         attention_backend=args.attention_backend, streams=streams, tp=tp, cpu_weight_prepack=not compile_decode,
+        quantization=args.quantization,
     )
     if compile_decode:  # inductor packs the linears itself (freezing)
         from common.model.compiled_decode import CompileCapture

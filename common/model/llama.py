@@ -24,6 +24,7 @@ from common.model.compiled_decode import attention_key, write_kv
 from common.model.config import ModelConfig
 from common.model.forward_batch import ForwardBatch
 from common.model.fused_ops import TorchOps
+from common.model.int8_linear import Int8Linear, quantize_linears
 from common.model.packed_linear import PackedLinear, prepack_linears
 from common.model.rope import RopeTable, RotaryEmbedding
 from common.model.tensor_parallel import NO_TP, TPGroup, TPShard
@@ -182,7 +183,7 @@ class LlamaForCausalLM(nn.Module):
             if config.tie_word_embeddings
             else nn.Linear(config.hidden_size, self.shard.vocab_size, bias=False, dtype=dtype)
         )
-        self.packed_head: PackedLinear | None = None  # set by prepack_for_cpu
+        self.head_linear: PackedLinear | Int8Linear | None = None  # set by prepack_for_cpu / quantize_int8
         self.ops: TorchOps = TORCH_OPS  # the runner picks flashinfer's fused kernels where they run
 
     def prepack_for_cpu(self) -> None:
@@ -190,7 +191,14 @@ class LlamaForCausalLM(nn.Module):
         (packed_linear.py). Call once the weights are loaded."""
         prepack_linears(self.model)
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        self.packed_head = PackedLinear(weight, None)
+        self.head_linear = PackedLinear(weight, None)
+
+    def quantize_int8(self, act_dtype: torch.dtype) -> None:
+        """Every linear of the decoder, and the logits projection (a copy when it is tied to the
+        embeddings), as weight-only int8 linears (int8_linear.py). Call once the weights are loaded."""
+        quantize_linears(self.model, act_dtype)
+        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        self.head_linear = Int8Linear(weight, None, act_dtype)
 
     def forward(
         self, batch: ForwardBatch, kv_pool: KVPool, backend: AttentionBackend, *, all_tokens: bool = False
@@ -208,8 +216,8 @@ class LlamaForCausalLM(nn.Module):
         return self.model.norm.add(x, residual, self.ops)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        if self.packed_head is not None:
-            logits = self.packed_head(hidden).float()
+        if self.head_linear is not None:
+            logits = self.head_linear(hidden).float()
         else:
             weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
             logits = F.linear(hidden, weight).float()

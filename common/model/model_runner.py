@@ -21,6 +21,7 @@ from common.model.decode_graphs import DecodeGraphRunner, EagerCapture, StepCapt
 from common.model.device_streams import DeviceStreams, make_device_streams
 from common.model.forward_batch import ForwardBatch, ForwardMode
 from common.model.fused_ops import select_fused_ops
+from common.model.int8_linear import check_quantization
 from common.model.loader import build_model
 from common.model.packed_linear import prepack_supported
 from common.model.tensor_parallel import NO_TP, TPGroup, TPShard
@@ -41,6 +42,7 @@ class ModelRunner:
         cpu_weight_prepack: bool = True,
         streams: DeviceStreams | None = None,
         tp: TPGroup = NO_TP,
+        quantization: str | None = None,
     ) -> None:
         """model_path: an HF checkpoint dir (see default_model.resolve_model_path for "default").
         kv_pool: the pool, or a function that builds it, called once the weights are loaded (so a
@@ -50,7 +52,8 @@ class ModelRunner:
         streams: host <-> device staging and ordering of the worker (device_streams.py); by
         default the device's own (a worker stream on CUDA).
         tp: this rank's tensor-parallel group; the runner holds its TPShard of the weights and
-        the KV pool holds that shard's KV heads."""
+        the KV pool holds that shard's KV heads.
+        quantization: None, or "int8" (weight-only, CPU with bfloat16 activations; int8_linear.py)."""
         self.model_config = ModelConfig.from_pretrained(model_path)
         self.tp = tp
         self.shard = TPShard.of(self.model_config, tp.rank, tp.size)
@@ -63,8 +66,12 @@ class ModelRunner:
         start = time.perf_counter()
         self.model = build_model(self.model_config, dtype=self.dtype, device=self.device, shard=self.shard, tp=tp)
         self.model.ops = select_fused_ops(self.device, self.dtype)
-        self.weights_prepacked = cpu_weight_prepack and prepack_supported(self.device, self.dtype)
-        if self.weights_prepacked:
+        check_quantization(quantization, self.device, self.dtype)
+        self.quantization = quantization
+        self.weights_prepacked = quantization is None and cpu_weight_prepack and prepack_supported(self.device, self.dtype)
+        if quantization == "int8":
+            self.model.quantize_int8(self.dtype)
+        elif self.weights_prepacked:
             self.model.prepack_for_cpu()
         logger.info(
             "loaded %s (%s, %d layers) as %s on %s in %.1f s%s",
@@ -74,7 +81,8 @@ class ModelRunner:
             str(self.dtype).removeprefix("torch."),
             self.device,
             time.perf_counter() - start,
-            (", linears prepacked for oneDNN" if self.weights_prepacked else "") + f", {self.model.ops.name} norm/act ops",
+            (", linears prepacked for oneDNN" if self.weights_prepacked else "")
+            + (", linears weight-only int8" if quantization == "int8" else "") + f", {self.model.ops.name} norm/act ops",
         )
         if not isinstance(kv_pool, KVPool):
             kv_pool = kv_pool()

@@ -22,6 +22,8 @@ from common.scheduler.step_fault import StepFault
 from kv_transfer.base import TransferConfig
 from kv_transfer.endpoint import TRANSFER_BACKENDS
 
+QUANTIZATIONS = ("int8",)
+
 ATTENTION_BACKENDS = ("auto", "torch", "flashinfer")
 DISAGGREGATION_MODES = ("null", "prefill", "decode")
 DEVICES = ("auto", "cpu", "cuda")
@@ -71,6 +73,7 @@ class ServerArgs:
     disable_cuda_graph: bool = False
     enable_torch_compile: bool = False
     torch_compile_max_bs: int = 32
+    quantization: str | None = None
     random_seed: int | None = None
     # Prefill/decode disaggregation
     disaggregation_mode: str = "null"
@@ -174,6 +177,13 @@ class ServerArgs:
             return "--enable-mixed-chunk mixes prefill and decode in one batch; it needs --disaggregation-mode null"
         if self.disaggregation_heartbeat_timeout <= self.disaggregation_heartbeat_interval:
             return "--disaggregation-heartbeat-timeout must be > --disaggregation-heartbeat-interval"
+        if self.quantization is not None:
+            if self.quantization not in QUANTIZATIONS:
+                return f"--quantization must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}"
+            if self.dtype != "bfloat16":
+                return "--quantization int8 needs --dtype bfloat16 (weight-only int8 with bf16 activations)"
+            if self.enable_torch_compile:
+                return "--quantization int8 and --enable-torch-compile are not combined yet"
         if self.engine_fault_spec is not None:
             try:
                 StepFault.parse(self.engine_fault_spec)
@@ -276,6 +286,7 @@ _HELP: dict[str, str] = {
     "cuda_graph_max_bs": "CUDA: decode batches up to this size run as CUDA graphs, one per batch-size bucket "
     "(default: --max-running-requests)",
     "disable_cuda_graph": "CUDA: run every decode step eagerly (no CUDA graphs)",
+    "quantization": "int8: weight-only int8 linears (CPU, --dtype bfloat16): half the weight bytes per decoded token",
     "enable_torch_compile": "CPU: compile the decode step with torch.compile (inductor) at startup, one graph per "
     "batch-size bucket up to --torch-compile-max-bs (cached under TORCHINDUCTOR_CACHE_DIR)",
     "torch_compile_max_bs": "largest decode batch run through a compiled step (larger ones run eagerly)",

@@ -39,6 +39,7 @@ class PagedHarness:
         attention_backend: str = "torch",
         seed: int = 0,
         device: str | torch.device = "cpu",
+        quantization: str | None = None,
     ) -> None:
         config = ModelConfig.from_pretrained(model_path)
         self.device = torch.device(device)
@@ -54,6 +55,7 @@ class PagedHarness:
             kv_pool=self.pool,
             req_to_token=self.req_to_token,
             attention_backend=attention_backend,
+            quantization=quantization,
         )
         self.free_pages = list(range(1, self.pool.num_pages))
         random.Random(seed).shuffle(self.free_pages)
