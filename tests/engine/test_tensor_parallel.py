@@ -53,3 +53,12 @@ def test_tp2_greedy_equals_transformers(tp_engine: tuple[Engine, str]) -> None:
     check_parity(engine, path, first, 10)
     outs = check_parity(engine, path, [p + [5, 6, 7] for p in first[:3]], 6)
     assert sum(o["meta_info"]["cached_tokens"] for o in outs) > 0
+
+
+def test_tp4_greedy_equals_transformers(tiny_checkpoint: Callable[..., str]) -> None:
+    """Four ranks (one KV head each; on 2 cores every rank gets one torch thread)."""
+    path = tiny_checkpoint("qwen3", num_kv_heads=4)
+    with Engine(path, dtype="float32", page_size=4, chunked_prefill_size=32, max_total_tokens=2048,
+                tp_size=4) as engine:
+        assert engine.core.kv_pool.num_kv_heads == 1
+        check_parity(engine, path, workload(engine.vocab_size, 4, seed=7), 8)
