@@ -45,9 +45,12 @@ class RankGone(RuntimeError):
 
 
 class StepFanout:
-    """Rank 0's side: one PUSH socket per other rank, bound at `addrs` (ipc://)."""
+    """Rank 0's side: one PUSH socket per other rank, bound at `addrs` (ipc://). `dead_reason`
+    (None while every rank runs) ends a send at once when a rank died: a dead rank's socket
+    never takes the message, and the overlap loop's next step must not wait out the timeout."""
 
-    def __init__(self, addrs: list[str]) -> None:
+    def __init__(self, addrs: list[str], dead_reason: Callable[[], str | None] = lambda: None) -> None:
+        self._dead_reason = dead_reason
         self._ctx = zmq.Context()
         self._socks: list[zmq.Socket] = []
         for addr in addrs:
@@ -65,6 +68,9 @@ class StepFanout:
                     sock.send(frame, zmq.NOBLOCK)
                     break
                 except zmq.Again:
+                    dead = self._dead_reason()
+                    if dead is not None:
+                        raise RankGone(dead) from None
                     if time.monotonic() > deadline:
                         raise RankGone(f"TP rank {rank} took no step within {timeout_s}s") from None
                     time.sleep(_SEND_RETRY_S)

@@ -94,7 +94,7 @@ class TPRanks:
     def __init__(self, args: ServerArgs) -> None:
         self.size = args.tp_size
         self.addrs = TPAddrs.new(self.size, kv_files=args.disaggregation_mode == "decode")
-        self.fanout = StepFanout(list(self.addrs.steps))
+        self.fanout = StepFanout(list(self.addrs.steps), self.dead_reason)
         self._started = threading.Event()
         ctx = multiprocessing.get_context("spawn")
         from common.server.tp_rank_process import tp_rank_main

@@ -13,6 +13,7 @@ that room alone. Last, kill -9 of decode TP 2's rank 1 mid-stream: the instance 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import signal
@@ -153,8 +154,13 @@ def test_a_failed_write_of_prefill_rank_1_fails_its_room_only(instances: Instanc
 
 
 def _rank_pids(engine_pid: int) -> list[int]:
-    """The TP rank processes the engine spawned (not multiprocessing's resource tracker)."""
-    children = Path(f"/proc/{engine_pid}/task/{engine_pid}/children").read_text().split()
+    """The TP rank processes the engine spawned (not multiprocessing's resource tracker). Every
+    thread's children: the overlap loop builds the engine (and spawns the ranks) on a thread
+    of its own, and /proc lists a child under the thread that started it until that one exits."""
+    children: list[str] = []
+    for task in Path(f"/proc/{engine_pid}/task").iterdir():
+        with contextlib.suppress(FileNotFoundError, ProcessLookupError):  # a thread that just ended
+            children += (task / "children").read_text().split()
     return [int(c) for c in children
             if b"spawn_main" in (cmd := Path(f"/proc/{c}/cmdline").read_bytes()) and b"resource_tracker" not in cmd]
 
