@@ -15,6 +15,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from common.model.packed_linear import RowsLinear, replace_linears
+
 
 def check_quantization(quantization: str | None, device: torch.device, dtype: torch.dtype) -> None:
     """Raises ValueError where `quantization` cannot run (or would only slow the model down)."""
@@ -37,7 +39,7 @@ def quantize_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
     return q.contiguous(), scales
 
 
-class Int8Linear(nn.Module):
+class Int8Linear(RowsLinear):
     """y = x @ (q * scale)^T + b, the int8 weight dequantized inside the kernel."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, act_dtype: torch.dtype) -> None:
@@ -48,22 +50,11 @@ class Int8Linear(nn.Module):
         self.scales = nn.Parameter(scales.to(act_dtype), requires_grad=False)
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        lead = x.shape[:-1]
-        rows = x.reshape(-1, self.in_features)
-        if rows.shape[0] == 0:
-            return x.new_empty(*lead, self.out_features)
-        out = torch.ops.aten._weight_int8pack_mm(rows.contiguous(), self.weight_int8, self.scales)
-        if self.bias is not None:
-            out = out + self.bias
-        return out.view(*lead, self.out_features)
+    def _rows(self, rows: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = torch.ops.aten._weight_int8pack_mm(rows, self.weight_int8, self.scales)
+        return out if self.bias is None else out + self.bias
 
 
 def quantize_linears(model: nn.Module, act_dtype: torch.dtype) -> int:
     """Replace every nn.Linear under `model` by an Int8Linear; returns how many."""
-    targets = [(name, m) for name, m in model.named_modules() if isinstance(m, nn.Linear)]
-    for name, linear in targets:
-        parent_name, _, child = name.rpartition(".")
-        parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, child, Int8Linear(linear.weight, linear.bias, act_dtype))
-    return len(targets)
+    return replace_linears(model, lambda linear: Int8Linear(linear.weight, linear.bias, act_dtype))

@@ -17,6 +17,8 @@ has native bf16 (common.model.config.cpu_has_native_bf16); never on CUDA.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -33,7 +35,24 @@ def prepack_supported(device: torch.device, dtype: torch.dtype) -> bool:
     return dtype == torch.float32 or (dtype == torch.bfloat16 and cpu_has_native_bf16())
 
 
-class PackedLinear(nn.Module):
+class RowsLinear(nn.Module):
+    """A linear over the last dim: subclasses compute `_rows(x2d)` for [rows, in_features]."""
+
+    in_features: int
+    out_features: int
+
+    def _rows(self, rows: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lead = x.shape[:-1]
+        rows = x.reshape(-1, self.in_features)
+        if rows.shape[0] == 0:
+            return x.new_empty(*lead, self.out_features)
+        return self._rows(rows.contiguous()).view(*lead, self.out_features)
+
+
+class PackedLinear(RowsLinear):
     """y = x @ W^T + b with W held only in oneDNN's packed layout (the plain weight is dropped)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
@@ -44,20 +63,21 @@ class PackedLinear(nn.Module):
         )
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        lead = x.shape[:-1]
-        rows = x.reshape(-1, self.in_features)
-        if rows.shape[0] == 0:
-            return x.new_empty(*lead, self.out_features)
-        out = torch.ops.mkldnn._linear_pointwise(rows.contiguous(), self.packed_weight, self.bias, "none", [], "")
-        return out.view(*lead, self.out_features)
+    def _rows(self, rows: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(rows, self.packed_weight, self.bias, "none", [], "")
+        return out
 
 
-def prepack_linears(model: nn.Module) -> int:
-    """Replace every nn.Linear under `model` by a PackedLinear; returns how many."""
+def replace_linears(model: nn.Module, make: Callable[[nn.Linear], nn.Module]) -> int:
+    """Replace every nn.Linear under `model` by make(linear); returns how many."""
     targets = [(name, m) for name, m in model.named_modules() if isinstance(m, nn.Linear)]
     for name, linear in targets:
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, child, PackedLinear(linear.weight, linear.bias))
+        setattr(parent, child, make(linear))
     return len(targets)
+
+
+def prepack_linears(model: nn.Module) -> int:
+    """Replace every nn.Linear under `model` by a PackedLinear; returns how many."""
+    return replace_linears(model, lambda linear: PackedLinear(linear.weight, linear.bias))
