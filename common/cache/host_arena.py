@@ -46,15 +46,21 @@ def _madvise_hugepage(addr: int, length: int) -> bool:
     return True
 
 
-def alloc_host_buffers(shapes: list[tuple[int, ...]], dtype: torch.dtype) -> list[torch.Tensor]:
-    """Zeroed contiguous CPU tensors of `shapes`, packed back to back (64-byte aligned) in
-    one huge-page arena that lives as long as any of them."""
+def _packed_layout(shapes: list[tuple[int, ...]], dtype: torch.dtype) -> tuple[list[int], list[int], int]:
+    """Bytes of each tensor, its offset when packed back to back 64-byte aligned, and the total."""
     itemsize = torch.empty((), dtype=dtype).element_size()
     sizes = [itemsize * math.prod(s) for s in shapes]
     offsets, total = [], 0
     for size in sizes:
         offsets.append(total)
         total += _round_up(size, 64)
+    return sizes, offsets, total
+
+
+def alloc_host_buffers(shapes: list[tuple[int, ...]], dtype: torch.dtype) -> list[torch.Tensor]:
+    """Zeroed contiguous CPU tensors of `shapes`, packed back to back (64-byte aligned) in
+    one huge-page arena that lives as long as any of them."""
+    sizes, offsets, total = _packed_layout(shapes, dtype)
     arena = torch.empty(total + HUGE_PAGE, dtype=torch.uint8)  # untouched: no page is backed yet
     base = arena.data_ptr()
     start = _round_up(base, HUGE_PAGE) - base
@@ -70,13 +76,8 @@ def shared_host_buffers(path: str, shapes: list[tuple[int, ...]], dtype: torch.d
     """Contiguous CPU tensors of `shapes`, back to back (64-byte aligned) in one MAP_SHARED
     file mapping at `path` (a tmpfs such as /dev/shm: memory, not disk). create=True makes the
     file (zeroed, 0600, must not exist); create=False maps the file another process made, so
-    both see the same bytes (a TP instance's rank 0 reads and NIXL-registers every rank's KV)."""
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    sizes = [itemsize * math.prod(s) for s in shapes]
-    offsets, total = [], 0
-    for size in sizes:
-        offsets.append(total)
-        total += _round_up(size, 64)
+    both see the same bytes (a TP decode's rank 0 copies every rank's heads when it retracts)."""
+    sizes, offsets, total = _packed_layout(shapes, dtype)
     if create:
         st = os.statvfs(os.path.dirname(path) or ".")
         if st.f_bavail * st.f_frsize < total:  # a tmpfs past its size SIGBUSes on first touch
