@@ -190,15 +190,16 @@ class LlamaForCausalLM(nn.Module):
         """Every linear of the decoder, and the logits projection, as oneDNN packed linears
         (packed_linear.py). Call once the weights are loaded."""
         prepack_linears(self.model)
-        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        self.head_linear = PackedLinear(weight, None)
+        self.head_linear = PackedLinear(self._head_weight(), None)
 
     def quantize_int8(self, act_dtype: torch.dtype) -> None:
         """Every linear of the decoder, and the logits projection (a copy when it is tied to the
         embeddings), as weight-only int8 linears (int8_linear.py). Call once the weights are loaded."""
         quantize_linears(self.model, act_dtype)
-        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        self.head_linear = Int8Linear(weight, None, act_dtype)
+        self.head_linear = Int8Linear(self._head_weight(), None, act_dtype)
+
+    def _head_weight(self) -> torch.Tensor:
+        return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
     def forward(
         self, batch: ForwardBatch, kv_pool: KVPool, backend: AttentionBackend, *, all_tokens: bool = False
@@ -219,6 +220,5 @@ class LlamaForCausalLM(nn.Module):
         if self.head_linear is not None:
             logits = self.head_linear(hidden).float()
         else:
-            weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-            logits = F.linear(hidden, weight).float()
+            logits = F.linear(hidden, self._head_weight()).float()
         return self.tp.gather_vocab(logits, self.config.vocab_size)

@@ -67,7 +67,6 @@ class ModelRunner:
         self.model = build_model(self.model_config, dtype=self.dtype, device=self.device, shard=self.shard, tp=tp)
         self.model.ops = select_fused_ops(self.device, self.dtype)
         check_quantization(quantization, self.device, self.dtype)
-        self.quantization = quantization
         self.weights_prepacked = quantization is None and cpu_weight_prepack and prepack_supported(self.device, self.dtype)
         if quantization == "int8":
             self.model.quantize_int8(self.dtype)
