@@ -14,6 +14,10 @@ and each side keeps its best, so load from elsewhere on a shared box hits both a
                                                               -> b1_ratio_vs_hf
      and the engine's seconds per token / the weight-streaming floor (weight bytes per token
      / read bandwidth measured here)                          -> b1_vs_bandwidth_floor (>= 1)
+     with --torch-compile, the same through engines with --enable-torch-compile (bucket 1), and
+     with bf16 also --quantization int8 (floor: of the unquantized weights)
+                                         -> b1_compiled_ratio_vs_hf, b1_compiled_vs_bandwidth_floor,
+                                            b1_int8_compiled_ratio_vs_hf, ..._vs_bandwidth_floor
   3. steady decode, 32 requests: the engine loop vs a raw ModelRunner.forward + Sampler loop
                                                               -> engine_vs_raw_forward
      the overlap loop vs the normal loop, each engine in a process of its own
@@ -149,6 +153,20 @@ def main(argv: list[str] | None = None) -> None:
           f"{1000 * floor_s:.1f} ms/token; engine {1000 * t_e / size['b1_new']:.1f} ms/token end to end, "
           f"raw decode forward {1000 * b1_step:.1f} ms", flush=True)
     result.update(read_bandwidth_gbs=round(bandwidth, 1), b1_forward_ms=round(1000 * b1_step, 2))
+    if args.torch_compile:  # batch 1 again through engines compiled for bucket 1 (~1 min of autotuning each)
+        variants: list[tuple[str, dict[str, Any]]] = [("compiled", {})]
+        if dtype_name == "bfloat16":
+            variants.append(("int8_compiled", {"quantization": "int8"}))
+        for label, extra in variants:
+            compiled_engine = Engine(path, dtype=dtype_name, **engine_args(  # on this thread's OpenMP pool, as `normal`
+                1, enable_torch_compile=True, torch_compile_max_bs=1, disable_overlap_schedule=True, **extra))
+            run_engine(compiled_engine, single)  # warm up
+            t_c = best_of(reps, lambda e=compiled_engine: run_engine(e, single))[0]  # type: ignore[misc]
+            compiled_engine.shutdown()
+            result[f"b1_{label}_ratio_vs_hf"] = round(t_h / t_c, 3)
+            result[f"b1_{label}_vs_bandwidth_floor"] = round((t_c / size["b1_new"]) / floor_s, 3)
+            print(f"[b1 {label}] engine {size['b1_new'] / t_c:.1f} tok/s ({1000 * t_c / size['b1_new']:.1f} ms/token): "
+                  f"{t_h / t_c:.2f}x transformers, {(t_c / size['b1_new']) / floor_s:.2f}x the bf16 floor", flush=True)
 
     # 3. steady decode: engine loop vs raw loop (this process); overlap vs normal (a process each)
     rng = random.Random(1)

@@ -15,7 +15,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from common.model.packed_linear import RowsLinear, replace_linears
+from common.model.packed_linear import PackedLinear, RowsLinear, prepack_supported, replace_linears
+
+# Up to this many rows the int8 kernel reads half the bytes and wins; above it, its per-row cost
+# loses to oneDNN's packed bf16 gemm (bench/engine.py part 4 prints both per batch size).
+INT8_MAX_ROWS = 2
 
 
 def check_quantization(quantization: str | None, device: torch.device, dtype: torch.dtype) -> None:
@@ -40,7 +44,11 @@ def quantize_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
 
 
 class Int8Linear(RowsLinear):
-    """y = x @ (q * scale)^T + b, the int8 weight dequantized inside the kernel."""
+    """y = x @ (q * scale)^T + b: up to INT8_MAX_ROWS rows the int8 weight is dequantized inside
+    the kernel; above, the same quantized weight, dequantized once at load into act_dtype and
+    packed for oneDNN (where the CPU runs act_dtype natively), computes it. Both paths are the
+    one quantized model, so a request's outputs do not depend on which batch it ran in beyond
+    the rounding every batched kernel has."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, act_dtype: torch.dtype) -> None:
         super().__init__()
@@ -49,8 +57,14 @@ class Int8Linear(RowsLinear):
         self.weight_int8 = nn.Parameter(q, requires_grad=False)
         self.scales = nn.Parameter(scales.to(act_dtype), requires_grad=False)
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
+        self.wide: PackedLinear | None = None
+        if prepack_supported(weight.device, act_dtype):
+            dequantized = (q.float() * self.scales.float()[:, None]).to(act_dtype)
+            self.wide = PackedLinear(dequantized, self.bias)
 
     def _rows(self, rows: torch.Tensor) -> torch.Tensor:
+        if self.wide is not None and rows.shape[0] > INT8_MAX_ROWS:
+            return self.wide._rows(rows)
         out: torch.Tensor = torch.ops.aten._weight_int8pack_mm(rows, self.weight_int8, self.scales)
         return out if self.bias is None else out + self.bias
 

@@ -182,8 +182,6 @@ class ServerArgs:
                 return f"--quantization must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}"
             if self.dtype != "bfloat16":
                 return "--quantization int8 needs --dtype bfloat16 (weight-only int8 with bf16 activations)"
-            if self.enable_torch_compile:
-                return "--quantization int8 and --enable-torch-compile are not combined yet"
         if self.engine_fault_spec is not None:
             try:
                 StepFault.parse(self.engine_fault_spec)

@@ -15,8 +15,11 @@ import torch
 from transformers import AutoTokenizer
 
 from common.engine import Engine
+from common.model.compiled_decode import CompileCapture
+from common.model.decode_graphs import EagerCapture, Step
 from common.model.forward_batch import ForwardMode
-from common.model.int8_linear import Int8Linear, check_quantization, quantize_per_channel
+from common.model.int8_linear import INT8_MAX_ROWS, Int8Linear, check_quantization, quantize_per_channel
+from common.model.packed_linear import prepack_supported
 from common.server.server_args import ServerArgs
 from tests.model.harness import PagedHarness
 
@@ -30,6 +33,14 @@ PROMPTS = [
     "Translate to German: Good morning, how are you?",
     "In 1969, the first humans",
 ]
+
+
+class SomeBuckets(EagerCapture):
+    def __init__(self, inner: CompileCapture, sizes: set[int]) -> None:
+        self.inner, self.sizes = inner, sizes
+
+    def capture(self, size: int, step: Step) -> Step:
+        return self.inner.capture(size, step) if size in self.sizes else step
 
 
 def test_int8_linear_computes_what_the_dequantized_weight_does() -> None:
@@ -46,6 +57,13 @@ def test_int8_linear_computes_what_the_dequantized_weight_does() -> None:
     assert got.shape == (3, 5, 96) and got.dtype == torch.bfloat16
     torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=5e-2)
     assert lin(x[:0]).shape == (0, 5, 96)
+    # Few rows go through the int8 kernel, many through the dequantized packed weight (where the
+    # CPU has it): the same quantized weight either way, row by row.
+    rows = x.reshape(-1, 64)
+    one_by_one = torch.cat([lin(rows[i : i + 1]) for i in range(rows.shape[0])])
+    assert rows.shape[0] > INT8_MAX_ROWS
+    assert (lin.wide is not None) == prepack_supported(torch.device("cpu"), torch.bfloat16)
+    torch.testing.assert_close(lin(rows).float(), one_by_one.float(), rtol=2e-2, atol=5e-2)
 
 
 def test_int8_is_refused_where_it_cannot_pay() -> None:
@@ -55,8 +73,7 @@ def test_int8_is_refused_where_it_cannot_pay() -> None:
                                  ("int4", "cpu", torch.bfloat16)):
         with pytest.raises(ValueError):
             check_quantization(quant, torch.device(device), dtype)
-    for kwargs in ({"dtype": "float32"}, {"dtype": "bfloat16", "enable_torch_compile": True},
-                   {"dtype": "bfloat16", "quantization": "fp4"}):
+    for kwargs in ({"dtype": "float32"}, {"dtype": "bfloat16", "quantization": "fp4"}):
         with pytest.raises(ValueError, match="quantization"):
             ServerArgs(model_path="/m", **{"quantization": "int8", **kwargs})
 
@@ -69,6 +86,21 @@ def test_engine_serves_with_int8_weights(tiny_llama_path: str) -> None:
                                sampling_params={"max_new_tokens": 6, "temperature": 0, "ignore_eos": True})
         assert [o["meta_info"]["completion_tokens"] for o in outs] == [6, 6]
         engine.check_integrity()
+
+
+def test_compiled_int8_decode_step_computes_what_the_eager_one_does(tiny_llama_path: str) -> None:
+    """--quantization int8 with --enable-torch-compile: inductor's int8 GEMM (max-autotune) in
+    the compiled batch-1 step gives the eager int8 step's logits (one bucket: each costs ~30 s
+    of autotuning here)."""
+    h = PagedHarness(tiny_llama_path, page_size=4, dtype="bfloat16", quantization="int8")
+    h.runner.enable_decode_graphs(2, SomeBuckets(CompileCapture(h.pool, h.runner.attn_backend), {1}))
+    h.step(ForwardMode.EXTEND, [("r", [3, 9, 27, 31, 12])])
+    for token in (40, 41):
+        batch = h.batch(ForwardMode.DECODE, [("r", [token])])
+        assert h.runner.decode_graphs is not None and h.runner.decode_graphs.can_run(batch)
+        compiled = h.runner.forward(batch)
+        eager = h.runner.model.compute_logits(h.runner.forward_hidden(batch))
+        torch.testing.assert_close(compiled, eager, rtol=2e-2, atol=2e-2)
 
 
 def _teacher_forced_argmax(h: PagedHarness, seqs: list[list[int]]) -> list[torch.Tensor]:
