@@ -9,6 +9,8 @@ Spec string, comma separated `key=value` (all optional):
     drop_status_nth=N  the N-th Status message is dropped
     delay_ms=D         every post sleeps D ms first (in the manager thread)
     stall_s=S          the manager thread's next loop iteration sleeps S s (once): a stuck thread
+    stall_file=PATH    the manager thread sleeps while PATH exists (at most STALL_FILE_MAX_S): a
+                       stuck thread for exactly as long as the test needs, whatever the load
     crash_after_s=T    the manager thread dies T s after the spec took effect (uncaught error)
     hold_file=PATH     while PATH exists, no posted transfer reads as done (a stalled link; the
                        manager thread stays responsive, so heartbeats and status go on)
@@ -25,6 +27,8 @@ import os
 import random
 import time
 from dataclasses import dataclass, fields
+
+STALL_FILE_MAX_S = 60.0  # a test that died without removing its stall file does not hang the thread
 
 
 class InjectedFault(RuntimeError):
@@ -46,6 +50,7 @@ class FaultSpec:
     stall_s: float = 0.0
     crash_after_s: float = 0.0
     hold_file: str = ""
+    stall_file: str = ""
     seed: int = 0
     rank: int = 0
 
@@ -102,6 +107,11 @@ class FaultInjector:
             self._stalled = True
             self._hit("stall")
             time.sleep(self.spec.stall_s)
+        if self.spec.stall_file and os.path.exists(self.spec.stall_file):
+            self._hit("stall")
+            deadline = time.monotonic() + STALL_FILE_MAX_S
+            while os.path.exists(self.spec.stall_file) and time.monotonic() < deadline:
+                time.sleep(0.01)
         if self.spec.crash_after_s > 0 and time.monotonic() - self._since >= self.spec.crash_after_s:
             self._hit("crash")
             raise InjectedCrash(f"injected crash of the kv_transfer thread after {self.spec.crash_after_s:g}s")

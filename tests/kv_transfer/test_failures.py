@@ -191,20 +191,23 @@ def test_decode_abort_while_waiting_for_input(prefill: Worker, decode: DecodeSid
     decode.slots.free(decode.driver.plans[room].aux_slot)
 
 
-def test_decode_abort_during_the_handshake_reaches_prefill(prefill: Worker) -> None:
+def test_decode_abort_during_the_handshake_reaches_prefill(prefill: Worker, tmp_path: Path) -> None:
     """A decode that gives up before its first handshake with a prefill finished still tells
     that prefill, which would otherwise hold the request until its bootstrap timeout."""
     mgr, _, _ = make_manager("decode", PoolSpec(), None)
+    stall = tmp_path / "stall"
+    stall.touch()
     try:
         room = new_room()
-        prefill.call("faults", spec="stall_s=1.0")  # the handshake waits for prefill's thread
+        prefill.call("faults", spec=f"stall_file={stall}")  # the handshake waits for prefill's thread
         prefill.call("room", room=room, chunks=[[1]], first_token=5)
         r = mgr.create_receiver("rid", room, "127.0.0.1", prefill.port)
         r.init([1, 2], 0)
         time.sleep(0.2)
-        assert not r.request_sent  # still handshaking: page ids not sent
+        assert not r.request_sent  # still handshaking (prefill's thread is stalled): page ids not sent
         r.abort("client gone")
         assert r.poll() == F
+        stall.unlink()
         deadline = time.monotonic() + 2
         while not r.pages_releasable() and time.monotonic() < deadline:  # no page ids were ever sent
             time.sleep(0.01)
@@ -212,6 +215,7 @@ def test_decode_abort_during_the_handshake_reaches_prefill(prefill: Worker) -> N
         _, reason, cause, _ = prefill_state(prefill, room, F)
         assert cause == FailureCause.ABORTED.value and "aborted by decode" in reason
     finally:
+        stall.unlink(missing_ok=True)
         mgr.shutdown()
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import socket
 import subprocess
 import time
@@ -121,8 +122,11 @@ def test_pd_sh_fails_fast_with_the_log_tail_of_a_broken_role(
 
 
 def dry_run(*args: str) -> str:
+    """pd.sh --dry-run's output, from an environment without the UCX_/NIXL_/PDSERVE_ variables
+    pd.sh passes on (a developer's PDSERVE_TEST_KEEP_LOGS=1 would show in every command)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("UCX_", "NIXL_", "PDSERVE_"))}
     res = subprocess.run(
-        ["bash", str(PD_SH), "--dry-run", *args], cwd=REPO_ROOT, capture_output=True, text=True, timeout=30
+        ["bash", str(PD_SH), "--dry-run", *args], cwd=REPO_ROOT, capture_output=True, text=True, timeout=30, env=env
     )
     assert res.returncode == 0, res.stderr
     return res.stdout
