@@ -44,7 +44,6 @@ from typing import Any
 import transformers
 from engine_loops import LOOPS, LoopChild, steady_work
 from engine_parts import (
-    SomeBuckets,
     best_of,
     cpu_description,
     decode_step_seconds,
@@ -59,6 +58,7 @@ from engine_parts import (
 from common.engine import Engine
 from common.model.compiled_decode import CompileCapture
 from common.model.config import resolve_dtype
+from common.model.decode_graphs import SomeBuckets
 from common.model.default_model import resolve_model_path
 from common.model.model_runner import ModelRunner
 

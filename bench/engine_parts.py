@@ -11,7 +11,6 @@ import torch
 import transformers
 
 from common.engine import Engine
-from common.model.decode_graphs import EagerCapture, Step, StepCapture
 from common.model.forward_batch import ForwardBatch, ForwardMode
 from common.model.model_runner import ModelRunner
 from common.model.sampling_info import SamplingBatchInfo
@@ -141,17 +140,6 @@ def decode_step_seconds(runner: ModelRunner, batch: int, context: int, steps: in
     elapsed = (time.perf_counter() - start) / steps
     table[:batch].zero_()
     return elapsed
-
-
-class SomeBuckets(EagerCapture):
-    """`inner` captures only the buckets in `sizes`; the others run eagerly (the bench compiles
-    the two batch sizes it measures, not every bucket)."""
-
-    def __init__(self, inner: StepCapture, sizes: set[int]) -> None:
-        self.inner, self.sizes = inner, sizes
-
-    def capture(self, size: int, step: Step) -> Step:
-        return self.inner.capture(size, step) if size in self.sizes else step
 
 
 def best_of(reps: int, *fns: Callable[[], float]) -> list[float]:

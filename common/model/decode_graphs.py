@@ -44,6 +44,17 @@ class EagerCapture:
         return step
 
 
+class SomeBuckets(EagerCapture):
+    """`inner` captures only the buckets in `sizes`; the others run eagerly (a bench or a test
+    compiles the batch sizes it measures, not every bucket)."""
+
+    def __init__(self, inner: StepCapture, sizes: set[int]) -> None:
+        self.inner, self.sizes = inner, sizes
+
+    def capture(self, size: int, step: Step) -> Step:
+        return self.inner.capture(size, step) if size in self.sizes else step
+
+
 class DecodeModel(Protocol):
     def __call__(self, batch: ForwardBatch, kv_pool: KVPool, backend: AttentionBackend) -> torch.Tensor: ...
 

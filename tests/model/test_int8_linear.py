@@ -16,7 +16,7 @@ from transformers import AutoTokenizer
 
 from common.engine import Engine
 from common.model.compiled_decode import CompileCapture
-from common.model.decode_graphs import EagerCapture, Step
+from common.model.decode_graphs import SomeBuckets
 from common.model.forward_batch import ForwardMode
 from common.model.int8_linear import INT8_MAX_ROWS, Int8Linear, check_quantization, quantize_per_channel
 from common.model.packed_linear import prepack_supported
@@ -33,14 +33,6 @@ PROMPTS = [
     "Translate to German: Good morning, how are you?",
     "In 1969, the first humans",
 ]
-
-
-class SomeBuckets(EagerCapture):
-    def __init__(self, inner: CompileCapture, sizes: set[int]) -> None:
-        self.inner, self.sizes = inner, sizes
-
-    def capture(self, size: int, step: Step) -> Step:
-        return self.inner.capture(size, step) if size in self.sizes else step
 
 
 def test_int8_linear_computes_what_the_dequantized_weight_does() -> None:
