@@ -16,7 +16,6 @@ import uuid
 from typing import Any
 
 import msgspec
-from transformers import AutoTokenizer
 
 from common.engine_core import build_engine_core
 from common.sampling_params import SamplingParams
@@ -24,6 +23,7 @@ from common.scheduler.messages import FinishReason, TokenOut
 from common.scheduler.req import Req
 from common.server.detokenizer import RequestDetokenizer
 from common.server.server_args import ServerArgs
+from common.tokenizer_loading import load_tokenizer
 
 
 class Engine:
@@ -33,7 +33,7 @@ class Engine:
         self._outputs: dict[str, list[TokenOut]] = {}
         self.core = build_engine_core(self.args, self._collect)
         self.scheduler = self.core.scheduler
-        self.tokenizer = AutoTokenizer.from_pretrained(self.args.tokenizer_path or self.core.model_path)
+        self.tokenizer = load_tokenizer(self.args.tokenizer_path or self.core.model_path)
         self.eos_token_ids = frozenset(self.core.model_config.eos_token_ids)
         self.context_length = self.scheduler.cfg.context_length
         self.vocab_size = self.core.model_config.vocab_size

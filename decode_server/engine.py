@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
-from common.server.engine_process import engine_main
-from common.server.ipc import EngineIpcAddrs
-from common.server.server_args import ServerArgs
-from decode_server.role import decode_role
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from common.server.ipc import EngineIpcAddrs
+    from common.server.server_args import ServerArgs
 
 
 def decode_engine_main(args: ServerArgs, addrs: EngineIpcAddrs) -> None:
+    """Runs in the spawned engine process; imports the engine (torch) there only, so the HTTP
+    frontend that names this function never loads torch."""
+    from common.server.engine_process import engine_main
+    from decode_server.role import decode_role
+
     engine_main(args, addrs, decode_role(args))

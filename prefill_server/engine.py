@@ -6,11 +6,17 @@ layout and NIXL metadata there) and pushes KV pages to decode over NIXL.
 
 from __future__ import annotations
 
-from common.server.engine_process import engine_main
-from common.server.ipc import EngineIpcAddrs
-from common.server.server_args import ServerArgs
-from prefill_server.role import prefill_role
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from common.server.ipc import EngineIpcAddrs
+    from common.server.server_args import ServerArgs
 
 
 def prefill_engine_main(args: ServerArgs, addrs: EngineIpcAddrs) -> None:
+    """Runs in the spawned engine process; imports the engine (torch) there only, so the HTTP
+    frontend that names this function never loads torch."""
+    from common.server.engine_process import engine_main
+    from prefill_server.role import prefill_role
+
     engine_main(args, addrs, prefill_role(args))

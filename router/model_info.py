@@ -7,7 +7,6 @@ text comes back from the workers, the router never re-detokenizes output.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -19,6 +18,7 @@ from common.model.context_length import (
     read_config_json,
     resolve_context_length,
 )
+from common.tokenizer_loading import load_tokenizer
 from router.errors import ApiError
 
 
@@ -83,26 +83,6 @@ class ModelInfo:
 
     def token_text(self, token_id: int) -> str:
         return _token_text(self.tokenizer, token_id)
-
-
-def load_tokenizer(model_path: str) -> Any:
-    """AutoTokenizer's choice, without its AutoConfig detour (which imports torch, ~3 s).
-
-    AutoTokenizer takes `tokenizer_class` from tokenizer_config.json when it is set; so do
-    we, and fall back to AutoTokenizer itself for everything else."""
-    import transformers
-
-    try:
-        name = json.loads((Path(model_path) / "tokenizer_config.json").read_text()).get("tokenizer_class")
-    except (OSError, ValueError):
-        name = None
-    cls = getattr(transformers, name, None) if isinstance(name, str) else None
-    if cls is not None and hasattr(cls, "from_pretrained"):
-        try:
-            return cls.from_pretrained(model_path)
-        except Exception:  # odd configs: let AutoTokenizer decide
-            pass
-    return transformers.AutoTokenizer.from_pretrained(model_path)
 
 
 def _encode(tokenizer: Any, text: str) -> list[int]:

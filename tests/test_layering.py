@@ -57,3 +57,16 @@ def test_the_router_side_imports_no_torch() -> None:
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["False", "False"], out.stdout
+
+
+def test_an_instance_frontend_imports_no_torch(tiny_llama_path: str) -> None:
+    """The HTTP frontend of a prefill/decode instance tokenizes and relays: torch (and
+    transformers' AutoConfig detour) load only in its engine process, ~3 s of CPU per start."""
+    code = ("import sys, common.server.launch, common.server.http_server, common.server.tokenizer_manager, "
+            "common.server.input_processor, prefill_server.__main__, prefill_server.engine, "
+            "decode_server.__main__, decode_server.engine; "
+            "from common.tokenizer_loading import load_tokenizer; "
+            f"load_tokenizer({tiny_llama_path!r}).encode('hi'); print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["False"], out.stdout

@@ -1,7 +1,8 @@
 """What the model runner needs to know about a checkpoint, read once from its config.json.
 
-`ModelConfig.from_pretrained(dir)` reads an HF checkpoint directory through
-transformers.AutoConfig (plus generation_config.json for extra EOS ids) and
+`ModelConfig.from_pretrained(dir)` reads an HF checkpoint directory (its config.json as it
+is when that names every field, else through transformers.AutoConfig; plus
+generation_config.json for extra EOS ids) and
 normalises the four supported layouts (llama, mistral, qwen2, qwen3) into one
 frozen record. Anything the native model cannot run exactly (another
 architecture, a rope type that depends on the batch, an activation other than
@@ -21,6 +22,7 @@ from typing import Any
 import torch
 
 from common.model.context_length import model_context_length
+from common.model.plain_config import read_plain_config
 
 logger = logging.getLogger(__name__)
 
@@ -68,18 +70,20 @@ class ModelConfig:
 
     @classmethod
     def from_pretrained(cls, model_path: str | os.PathLike[str]) -> ModelConfig:
-        from transformers import AutoConfig
-
         path = Path(model_path)
         if not (path / "config.json").is_file():
             raise ModelConfigError(
                 f"{str(path)!r} is not a checkpoint directory (no config.json); "
                 "pass an HF checkpoint dir or use common.model.default_model.resolve_model_path"
             )
-        try:
-            hf = AutoConfig.from_pretrained(str(path))
-        except (ValueError, KeyError, OSError) as e:
-            raise ModelConfigError(f"cannot read {path / 'config.json'}: {e}") from e
+        hf: Any = read_plain_config(path)
+        if hf is None:
+            from transformers import AutoConfig
+
+            try:
+                hf = AutoConfig.from_pretrained(str(path))
+            except (ValueError, KeyError, OSError) as e:
+                raise ModelConfigError(f"cannot read {path / 'config.json'}: {e}") from e
         return cls.from_hf_config(hf, str(path))
 
     @classmethod

@@ -134,7 +134,9 @@ class VocabParallelEmbedding(nn.Embedding):
     """nn.Embedding over this rank's vocab rows; ids elsewhere read zeros, summed across ranks."""
 
     def __init__(self, shard: TPShard, hidden_size: int, dtype: torch.dtype, tp: TPGroup) -> None:
-        super().__init__(shard.vocab_size, hidden_size, dtype=dtype)
+        # _weight: no random init (the loader writes every row); nn.Embedding's init on the
+        # meta device would import torch._dynamo, ~1.5 s of every engine start
+        super().__init__(shard.vocab_size, hidden_size, _weight=torch.empty(shard.vocab_size, hidden_size, dtype=dtype))
         self.vocab_start = shard.vocab_start
         self.tp = tp
 

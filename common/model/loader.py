@@ -48,7 +48,9 @@ def build_model(
     rope = RotaryEmbedding(config, device)
     with torch.device("meta"):
         model = LlamaForCausalLM(config, rope, dtype, shard, tp)
-    model.to_empty(device=device)
+    # to_empty() would run torch.empty_like on meta tensors, whose Python reference imports
+    # sympy (~0.8 s of every engine start); a plain torch.empty of the same shape does not
+    model._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device=device))
     load_weights(model, config.model_path)
     return model.eval()
 

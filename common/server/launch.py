@@ -141,10 +141,12 @@ async def wait_for_engine_ready(
 
 
 def load_tokenizer(args: ServerArgs) -> Any:
-    from transformers import AutoTokenizer
+    """args: resolved (tokenizer_path set)."""
+    from common.tokenizer_loading import load_tokenizer as load
 
+    assert args.tokenizer_path is not None
     try:
-        return AutoTokenizer.from_pretrained(args.tokenizer_path)
+        return load(args.tokenizer_path)
     except Exception as e:
         raise LaunchError(f"cannot load the tokenizer from {args.tokenizer_path}: {e}") from e
 
