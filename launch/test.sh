@@ -15,7 +15,7 @@ fi
 tier() {
   local start=$SECONDS
   echo "== tier: $1"
-  .venv/bin/python -m pytest -q -x --durations=8 -m "$@"
+  .venv/bin/python -m pytest -q -x --durations=15 -m "$@"
   echo "== tier $1: $((SECONDS - start)) s"
 }
 tier "unit and not slow"

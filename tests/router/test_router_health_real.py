@@ -24,10 +24,12 @@ from tests.server.server_procs import pid_alive, wait_until
 
 FLAGS = ["--page-size", "16", "--max-total-tokens", "4096"]
 PROBES = ["--health-check-interval", "0.2", "--health-check-timeout", "0.5"]
-SLOW_STEP_S = 10.0
-# A /health that waited for the engine would take up to the 10 s step; one answered from the step
-# clock takes milliseconds (0.29 s seen at load average 6). The bound tells the two apart.
-HEALTH_BOUND_S = SLOW_STEP_S / 10
+# Eight times the router's probe timeout: a /health that waited for the engine would time out
+# many probes in a row.
+SLOW_STEP_S = 4.0
+# A /health that waited for the engine would take up to the whole step; one answered from the
+# step clock takes milliseconds (0.29 s seen at load average 6). The bound tells the two apart.
+HEALTH_BOUND_S = SLOW_STEP_S / 4
 WATCHDOG_S = 2.0
 BODY = {"input_ids": [5, 6, 7, 8, 9, 10], "sampling_params": {"max_new_tokens": 4, "temperature": 0,
                                                               "ignore_eos": True}}
@@ -72,9 +74,9 @@ def down_transitions(router: RouterProc) -> float:
                                             text, re.M))
 
 
-def test_a_ten_second_step_is_busy_not_dead(tiny_llama_path: str) -> None:
+def test_a_long_step_is_busy_not_dead(tiny_llama_path: str) -> None:
     model = Path(tiny_llama_path)
-    # Forward 1 is the router's readiness round trip; forward 2 (the test's request) takes 10 s.
+    # Forward 1 is the router's readiness round trip; forward 2 (the test's request) takes SLOW_STEP_S.
     slow = ["--engine-fault-spec", f"slow_step_s={SLOW_STEP_S:g},after_steps=1,steps=1"]
     pair = start_pair(model, [*FLAGS, *slow], FLAGS)
     router = None
