@@ -42,6 +42,7 @@ class DecodeTransfer:
     receiver: KVReceiver
     aux_slot: int | None = None  # held from init() until the aux row is read or the pages drain
     host_kv: tuple[torch.Tensor, torch.Tensor] | None = None  # K, V while retracted
+    waited_for_memory: bool = False  # held in the prealloc queue (its prefill holds it too) for KV
 
 
 class DecodeScheduler(Scheduler):
@@ -71,6 +72,7 @@ class DecodeScheduler(Scheduler):
         self.swap_space_bytes = swap_space_bytes  # None: unbounded
         self.host_kv_bytes = 0  # held by retracted requests' host copies
         self.num_swap_space_refusals = 0
+        self.num_prealloc_memory_waits = 0  # requests held back at least once for KV memory
 
     @property
     def has_work(self) -> bool:
@@ -133,13 +135,16 @@ class DecodeScheduler(Scheduler):
             if self.running or self.transferring:  # reservations protect requests already in
                 need += self.reservation(req)
             if need > budget or self.kv.req_pool.num_free == 0 or self.aux_slots.num_free == 0:
+                self._wait_for_memory(req)
                 still.extend(queue[i:])
                 break
             if not self.kv.attach_prefix(req, held, node):
+                self._wait_for_memory(req)
                 still.extend(queue[i:])
                 break
             if self.kv.alloc_tokens(req, prompt - len(held)) is None:
                 self.kv.release(req, keep_in_cache=False)
+                self._wait_for_memory(req)
                 still.extend(queue[i:])
                 break
             slot = self.aux_slots.alloc()
@@ -152,6 +157,12 @@ class DecodeScheduler(Scheduler):
             budget -= need
             self.transferring.append(req)
         self.prealloc = still
+
+    def _wait_for_memory(self, req: Req) -> None:
+        transfer = self.transfers[req]
+        if not transfer.waited_for_memory:
+            transfer.waited_for_memory = True
+            self.num_prealloc_memory_waits += 1
 
     def _cached_prefix(self, req: Req) -> tuple[list[int], TreeNode]:
         """The whole pages of req's prompt this decode's prefix cache holds (empty without the
@@ -316,6 +327,7 @@ class DecodeScheduler(Scheduler):
                 "num_retracted_reqs": float(len(self.retracted)),
                 "host_kv_bytes": float(self.host_kv_bytes),
                 "num_swap_space_refusals_total": float(self.num_swap_space_refusals),
+                "num_prealloc_memory_waits_total": float(self.num_prealloc_memory_waits),
                 "num_transfer_failures_total": float(self.num_transfer_failures),
                 "num_prebuilt_total": float(self.num_prebuilt),
                 "kv_pages_from_cache_total": float(self.num_pages_from_cache),

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Installs the project into .venv (see install.sh), lints, type-checks and runs the test suite:
-# the unit tier first (in-process, ~4 min on 2 cores; stops here on a failure), then the process,
+# the unit tier first (in-process, ~1 min on 2 cores; stops here on a failure), then the process,
 # reliability and slow tiers. With arguments, runs pytest once with them instead:
 #   launch/test.sh -m unit          the quick loop
 #   launch/test.sh tests/pd -k e2e  a selection
@@ -18,10 +18,10 @@ tier() {
   .venv/bin/python -m pytest -q -x --durations=15 -m "$@"
   echo "== tier $1: $((SECONDS - start)) s"
 }
-tier "unit and not slow"
-# Two workers, whole files each (module-scoped clusters stay in one process): the tier waits on
-# process starts and sockets ~40% of its time serially, and fills both cores this way (709 ->
-# 546 s). The reliability tier stays serial: two of its load/kill files at once were slower.
+# Two workers, whole files each (module-scoped fixtures stay in one process): a serial tier
+# waits on process starts, sockets and compiles much of its time (unit 92 -> 49 s, proc 709 ->
+# 546 s). The reliability tier shares one cluster and stays serial.
+tier "unit and not slow" -n 2 --dist loadfile
 tier "proc and not slow" -n 2 --dist loadfile
 tier "reliability and not slow"
 tier "slow"
