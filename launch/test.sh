@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Installs the project into .venv (see install.sh), lints, type-checks and runs the test suite:
-# the unit tier first (in-process, ~1 min on 2 cores; stops here on a failure), then the process,
-# reliability and slow tiers. With arguments, runs pytest once with them instead:
-#   launch/test.sh -m unit          the quick loop
+# the unit tier first (in-process, ~1 min on 2 cores; stops here on a failure), then the process
+# and reliability tiers. With arguments, runs pytest once with them instead:
+#   launch/test.sh -m "unit and not slow"   the quick loop
 #   launch/test.sh tests/pd -k e2e  a selection
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -20,8 +20,8 @@ tier() {
 }
 # Two workers, whole files each (module-scoped fixtures stay in one process): a serial tier
 # waits on process starts, sockets and compiles much of its time (unit 92 -> 49 s, proc 709 ->
-# 546 s). The reliability tier shares one cluster and stays serial.
-tier "unit and not slow" -n 2 --dist loadfile
-tier "proc and not slow" -n 2 --dist loadfile
-tier "reliability and not slow"
-tier "slow"
+# 546 s). The reliability tier shares one cluster and stays serial. `slow` tests (the real
+# default model) run in their file's tier; `-m "unit and not slow"` is the quick loop.
+tier "unit" -n 2 --dist loadfile
+tier "proc" -n 2 --dist loadfile
+tier "reliability"

@@ -5,7 +5,8 @@ Tiers (markers, assigned here from each test's file so no test is left without o
     unit         in-process, seconds: run first by launch/test.sh, which stops there on a failure
     proc         starts real processes (instances, routers, NIXL peers, pd.sh)
     reliability  kills, faults and load across a real cluster (tests/reliability)
-    slow         marked in the test itself (the real default model); any tier may add it
+    slow         marked in the test itself (the real default model); runs in its file's tier,
+                 left out of the quick loop (-m "unit and not slow")
 
 Stable names, used across test packages:
     tiny_checkpoint(arch, **overrides) -> str   factory, arch in llama | qwen2 | qwen3 | mistral;
@@ -31,7 +32,7 @@ from tests.harness.process import reap_all
 # starts. The suite runs several processes per core (xdist workers, instances, TP ranks); an
 # OpenMP team of two waiting at its barriers for a descheduled partner made each tiny-model op
 # take milliseconds (transformers' greedy reference ran 4x slower on a loaded box). The tiny
-# model's outputs are the same either way (GEMMs split rows, not the reduction). The slow tier's
+# model's outputs are the same either way (GEMMs split rows, not the reduction). The `slow`
 # real-model tests keep every core (slow_threads below).
 TEST_THREADS = 1
 os.environ.setdefault("OMP_NUM_THREADS", str(TEST_THREADS))

@@ -1,8 +1,9 @@
 """Aborts (client disconnects) in each state on each side of a real 1P1D pair.
 
 Prefill posts are slowed by the fault injector (delay_ms) so a request stays in the
-transfer states long enough to be cut there; decode runs one request at a time so a
-second one is held in the prealloc queue. After every scenario both pools are whole.
+transfer states long enough to be cut there; decode runs one request at a time, each of its
+steps at least DECODE_STEP_S long, so a long request surely holds the second one in the
+prealloc queue. After every scenario both pools are whole.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from tests.pd.pd_procs import PDPair, RoleProcess, start_pair
 from tests.server.server_procs import wait_until
 
 DELAY_MS = 400
+DECODE_STEP_S = 0.02  # the 900-token hog decodes for >= 18 s, however fast the box
 
 
 @pytest.fixture(scope="module")
@@ -29,7 +31,8 @@ def pair(tiny_llama_path: str) -> Iterator[PDPair]:
         Path(tiny_llama_path),
         ["--page-size", "4", "--chunked-prefill-size", "8", "--max-total-tokens", "4096",
          "--disaggregation-fault-spec", f"delay_ms={DELAY_MS}"],
-        ["--page-size", "4", "--max-total-tokens", "2048", "--max-running-requests", "1"],
+        ["--page-size", "4", "--max-total-tokens", "2048", "--max-running-requests", "1",
+         "--engine-fault-spec", f"slow_step_s={DECODE_STEP_S}"],
     )
     try:
         yield p
@@ -106,7 +109,7 @@ def test_prefill_abort_while_bootstrapping(pair: PDPair) -> None:
 
 
 def test_decode_abort_in_prealloc_and_while_running(pair: PDPair) -> None:
-    hog = pair.body(list(range(100, 180)), 900)  # decodes for a while; decode admits one request
+    hog = pair.body(list(range(100, 180)), 900)  # decodes >= 18 s; decode admits one request
     target = pair.body(list(range(200, 260)), 4)
 
     async def main() -> list[dict[str, Any]]:

@@ -22,12 +22,16 @@ from tests.server.http_checks import engine_stat, generate_merged, parse_sse, wa
 from tests.server.server_procs import ServerProcess, pid_alive, wait_until
 
 REQUEST_TIMEOUT_S = 2.0
+# Every forward takes this much longer: a 1000-token request runs >= 5 s, past the request
+# timeout and any client timeout below, however fast the box.
+STEP_S = 0.005
 CONTEXT = 1024  # the tiny checkpoint's max_position_embeddings
 
 
 @pytest.fixture(scope="module")
 def server(tiny_model_dir: Path) -> Iterator[ServerProcess]:
-    srv = ServerProcess(tiny_model_dir, "--request-timeout", str(REQUEST_TIMEOUT_S))
+    srv = ServerProcess(tiny_model_dir, "--request-timeout", str(REQUEST_TIMEOUT_S),
+                        "--engine-fault-spec", f"slow_step_s={STEP_S}")
     try:
         srv.wait_healthy()
         yield srv
