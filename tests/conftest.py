@@ -19,7 +19,7 @@ Stable names, used across test packages:
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -31,9 +31,9 @@ from tests.harness.process import reap_all
 # One intra-op thread in this process and (through the environment) in every process a test
 # starts. The suite runs several processes per core (xdist workers, instances, TP ranks); an
 # OpenMP team of two waiting at its barriers for a descheduled partner made each tiny-model op
-# take milliseconds (transformers' greedy reference ran 4x slower on a loaded box). The tiny
-# model's outputs are the same either way (GEMMs split rows, not the reduction). The `slow`
-# real-model tests keep every core (slow_threads below).
+# take milliseconds (transformers' greedy reference ran 4x slower on a loaded box). Outputs are
+# the same either way (GEMMs split rows, not the reduction). The `slow` real-model tests too:
+# with two threads beside the other xdist worker they ran 3-6x slower, not faster.
 TEST_THREADS = 1
 os.environ.setdefault("OMP_NUM_THREADS", str(TEST_THREADS))
 torch.set_num_threads(TEST_THREADS)
@@ -81,19 +81,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     reap_all()  # a process no fixture stopped (its test failed half-way) does not outlive the run
-
-
-@pytest.fixture(autouse=True)
-def slow_threads(request: pytest.FixtureRequest) -> Iterator[None]:
-    """A `slow` test (the real default model) runs on every core, as a server would."""
-    if request.node.get_closest_marker("slow") is None:
-        yield
-        return
-    torch.set_num_threads(len(os.sched_getaffinity(0)))
-    try:
-        yield
-    finally:
-        torch.set_num_threads(TEST_THREADS)
 
 
 @pytest.fixture(scope="session")

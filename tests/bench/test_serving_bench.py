@@ -147,8 +147,11 @@ def test_every_failure_is_counted(
 
 def test_compare_same_workload_side_by_side(fake_server: FakeFactory, tiny_tokenizer_dir: str) -> None:
     fast, slow = fake_server("a"), fake_server("b")
+    # Far apart, so a loaded box cannot blur them: ratio < 0.6 holds while scheduling delays
+    # stay under ~145 ms per token and ~430 ms per first token (seen: < 0.6 failed at 2 vs 25 ms
+    # with three test workers on two cores).
     fast.control(ttft_ms=5, itl_ms=2)
-    slow.control(ttft_ms=60, itl_ms=25)
+    slow.control(ttft_ms=300, itl_ms=100)
     argv = [sys.executable, str(BENCH / "serving.py"), "--compare", f"fast={fast.url}", f"slow={slow.url}",
             "--tokenizer", tiny_tokenizer_dir, "--num-prompts", "6", "--random-input-len", "12",
             "--random-output-len", "6", "--request-rate", "100", "--disable-tqdm"]
