@@ -134,16 +134,8 @@ class DecodeScheduler(Scheduler):
             need = -(-prompt // self.kv.page_size) * self.kv.page_size - len(held)
             if self.running or self.transferring:  # reservations protect requests already in
                 need += self.reservation(req)
-            if need > budget or self.kv.req_pool.num_free == 0 or self.aux_slots.num_free == 0:
-                self._wait_for_memory(req)
-                still.extend(queue[i:])
-                break
-            if not self.kv.attach_prefix(req, held, node):
-                self._wait_for_memory(req)
-                still.extend(queue[i:])
-                break
-            if self.kv.alloc_tokens(req, prompt - len(held)) is None:
-                self.kv.release(req, keep_in_cache=False)
+            fits = need <= budget and self.kv.req_pool.num_free > 0 and self.aux_slots.num_free > 0
+            if not (fits and self.kv.attach_prefix(req, held, node) and self._alloc_prompt(req, prompt - len(held))):
                 self._wait_for_memory(req)
                 still.extend(queue[i:])
                 break
@@ -157,6 +149,14 @@ class DecodeScheduler(Scheduler):
             budget -= need
             self.transferring.append(req)
         self.prealloc = still
+
+    def _alloc_prompt(self, req: Req, num_tokens: int) -> bool:
+        """Pages for the prompt tokens the prefix cache does not hold; on failure the attached
+        prefix is let go too."""
+        if self.kv.alloc_tokens(req, num_tokens) is None:
+            self.kv.release(req, keep_in_cache=False)
+            return False
+        return True
 
     def _wait_for_memory(self, req: Req) -> None:
         transfer = self.transfers[req]

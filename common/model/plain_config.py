@@ -10,9 +10,10 @@ AutoConfig. tests/model/test_plain_config.py checks both give the same ModelConf
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
+
+from common.model.context_length import read_config_json
 
 # Keys whose class defaults differ between layouts or matter to the native model: they must
 # be in the file. Keys left out default the same way in all four classes (hidden_act "silu",
@@ -52,11 +53,8 @@ def _default_rope(raw: dict[str, Any]) -> bool:
 
 def read_plain_config(model_path: str | Path) -> PlainConfig | None:
     """PlainConfig when config.json alone describes the model; None: use AutoConfig."""
-    try:
-        raw = json.loads((Path(model_path) / "config.json").read_text())
-    except (OSError, ValueError):
-        return None
-    if not isinstance(raw, dict) or "text_config" in raw or raw.get("model_type") not in PLAIN_LAYOUTS:
+    raw = read_config_json(model_path)
+    if "text_config" in raw or raw.get("model_type") not in PLAIN_LAYOUTS:
         return None
     needed = REQUIRED_KEYS + REQUIRED_BY_LAYOUT.get(raw["model_type"], ())
     if any(k not in raw for k in needed) or not _default_rope(raw):
