@@ -117,7 +117,9 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        """float32 logits [batch_size, vocab] of each request's last token (writes the step's K/V)."""
+        """float32 logits [batch_size, vocab] of each request's last token (writes the step's K/V).
+        A DECODE step through decode graphs returns a view of its bucket's static output: use it
+        (sample) before the next forward, or copy it."""
         if batch.mode == ForwardMode.IDLE or batch.batch_size == 0:
             return torch.empty(0, self.vocab_size, dtype=torch.float32, device=self.device)
         if self.decode_graphs is not None and self.decode_graphs.can_run(batch):

@@ -40,7 +40,9 @@ def run_schedule(h: PagedHarness, seed: int) -> list[torch.Tensor]:
     h.step_last(ForwardMode.EXTEND, [(n, [rng.randrange(3, vocab) for _ in range(k)]) for n, k in zip(names, LENGTHS, strict=True)])
     out = []
     for subset in (names, names[:5], names[1:4], names[2:3], names, names[::2]):
-        out.append(h.step_last(ForwardMode.DECODE, [(n, [rng.randrange(3, vocab)]) for n in subset]))
+        # A replayed graph returns a view of its static output, rewritten by the bucket's next
+        # replay (steps 1, 2 and 5 share bucket 8): keep a copy of each step's logits.
+        out.append(h.step_last(ForwardMode.DECODE, [(n, [rng.randrange(3, vocab)]) for n in subset]).clone())
     return out
 
 
