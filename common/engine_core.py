@@ -179,10 +179,10 @@ def build_rank_worker(
     compile_decode = args.enable_torch_compile and device.type == "cpu" and tp.size == 1
     runner = ModelRunner(
         model_path, dtype=dtype, device=device, kv_pool=create_kv_pool, req_to_token=req_pool.table,
-        attention_backend=args.attention_backend, streams=streams, tp=tp, cpu_weight_prepack=not compile_decode,
+        attention_backend=args.attention_backend, streams=streams, tp=tp, keep_plain_weights=compile_decode,
         quantization=args.quantization,
     )
-    if compile_decode:  # inductor packs the linears itself (freezing)
+    if compile_decode:
         from common.model.compiled_decode import CompileCapture
 
         runner.enable_decode_graphs(min(args.torch_compile_max_bs, args.max_running_requests),

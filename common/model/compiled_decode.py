@@ -35,6 +35,7 @@ from common.cache.kv_pool import KVPool
 from common.model.attention.base import AttentionBackend
 from common.model.decode_graphs import EagerCapture, Step
 from common.model.forward_batch import ForwardBatch
+from common.model.packed_linear import COMPILED_TEMPLATE_MAX_ROWS
 
 logger = logging.getLogger(__name__)
 
@@ -85,7 +86,6 @@ class CompileCapture(EagerCapture):
         import torch._inductor.config as inductor_config
 
         inductor_config.freezing = True  # weights as constants: inductor packs the linears for oneDNN
-        inductor_config.max_autotune = True  # and times its C++ GEMM template against oneDNN per shape
         inductor_config.max_autotune_gemm_backends = "CPP,ATEN"
         inductor_config.autotune_num_choices_displayed = 0  # no timing table per shape in the log
         inductor_config.max_autotune_report_choices_stats = False
@@ -93,8 +93,14 @@ class CompileCapture(EagerCapture):
         register_attention(pool, backend)
 
     def capture(self, size: int, step: Step) -> Step:
+        """Compiles on the first call. Buckets of up to COMPILED_TEMPLATE_MAX_ROWS rows autotune
+        their linears (the GEMM template on the plain weights); larger ones keep oneDNN's packed
+        linears (PackedLinear) and fuse the rest."""
+        import torch._inductor.config as inductor_config
+
         start = time.perf_counter()
         compiled = cast(Step, torch.compile(step, dynamic=False, fullgraph=True))
-        compiled()
+        with inductor_config.patch(max_autotune=size <= COMPILED_TEMPLATE_MAX_ROWS):
+            compiled()
         logger.info("torch.compile: decode step for batch size %d compiled in %.1f s", size, time.perf_counter() - start)
         return compiled

@@ -188,11 +188,12 @@ class LlamaForCausalLM(nn.Module):
         self.head_linear: PackedLinear | Int8Linear | None = None  # set by prepack_for_cpu / quantize_int8
         self.ops: TorchOps = TORCH_OPS  # the runner picks flashinfer's fused kernels where they run
 
-    def prepack_for_cpu(self) -> None:
+    def prepack_for_cpu(self, keep_plain: bool = False) -> None:
         """Every linear of the decoder, and the logits projection, as oneDNN packed linears
-        (packed_linear.py). Call once the weights are loaded."""
-        prepack_linears(self.model)
-        self.head_linear = PackedLinear(self._head_weight(), None)
+        (packed_linear.py), keeping the plain weights too with `keep_plain`. Call once the
+        weights are loaded."""
+        prepack_linears(self.model, keep_plain)
+        self.head_linear = PackedLinear(self._head_weight(), None, keep_plain)
 
     def quantize_int8(self, act_dtype: torch.dtype) -> None:
         """Every linear of the decoder, and the logits projection (a copy when it is tied to the

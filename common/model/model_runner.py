@@ -40,6 +40,7 @@ class ModelRunner:
         req_to_token: torch.Tensor,
         attention_backend: str = "auto",
         cpu_weight_prepack: bool = True,
+        keep_plain_weights: bool = False,
         streams: DeviceStreams | None = None,
         tp: TPGroup = NO_TP,
         quantization: str | None = None,
@@ -49,6 +50,8 @@ class ModelRunner:
         GPU pool can be sized from the memory the weights left, see memory_budget.py).
         cpu_weight_prepack: on CPU, run the linears through oneDNN on weights packed once
         (packed_linear.py; where the dtype is native to the CPU).
+        keep_plain_weights: keep each prepacked linear's plain weight too, for the compiled decode
+        steps of the smallest buckets (--enable-torch-compile; COMPILED_TEMPLATE_MAX_ROWS).
         streams: host <-> device staging and ordering of the worker (device_streams.py); by
         default the device's own (a worker stream on CUDA).
         tp: this rank's tensor-parallel group; the runner holds its TPShard of the weights and
@@ -71,7 +74,7 @@ class ModelRunner:
         if quantization == "int8":
             self.model.quantize_int8(self.dtype)
         elif self.weights_prepacked:
-            self.model.prepack_for_cpu()
+            self.model.prepack_for_cpu(keep_plain_weights)
         logger.info(
             "loaded %s (%s, %d layers) as %s on %s in %.1f s%s",
             model_path,

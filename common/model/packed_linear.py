@@ -13,6 +13,16 @@ nothing per call. Measured on that box (all 121 linears of SmolLM2-135M, fp32, m
 This is what inductor's CPU backend does with `freezing` (mkldnn linear + weight prepack),
 without compiling anything. Used on CPU for float32, and for bfloat16 only where the CPU
 has native bf16 (common.model.config.cpu_has_native_bf16); never on CUDA.
+
+Under --enable-torch-compile the packed weight still serves prefill and every decode batch
+of more than COMPILED_TEMPLATE_MAX_ROWS rows (compiled or not); only the compiled steps of
+the smallest buckets read a plain copy of the weight, which inductor's C++ GEMM template
+packs its own way. Measured on the AVX2 EPYC (all 121 linears, fp32, ms; compiled alone):
+
+    rows                                   1      2      4      8      32
+    packed oneDNN (this class)             35.7   -      -      59.0   155.4
+    inductor C++ GEMM template             23.8   26.8   36.2   66.1   239.1
+    inductor freezing, no template (MKL)   39.3   68.3   107.7  155.8  242.9
 """
 
 from __future__ import annotations
@@ -20,6 +30,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from common.model.config import cpu_has_native_bf16
@@ -27,6 +38,9 @@ from common.model.config import cpu_has_native_bf16
 # oneDNN picks its blocked layout for this many rows; one packing serves every batch size
 # (packed for 32 rows it beat packing for 1 row at every size measured, 1..256).
 PACK_BATCH_HINT = 32
+# Compiled decode steps of up to this many rows run their linears through inductor's C++ GEMM
+# template (a plain copy of each weight); above it oneDNN's packed linear is the faster one.
+COMPILED_TEMPLATE_MAX_ROWS = 4
 
 
 def prepack_supported(device: torch.device, dtype: torch.dtype) -> bool:
@@ -53,17 +67,23 @@ class RowsLinear(nn.Module):
 
 
 class PackedLinear(RowsLinear):
-    """y = x @ W^T + b with W held only in oneDNN's packed layout (the plain weight is dropped)."""
+    """y = x @ W^T + b with W in oneDNN's packed layout. The plain weight is dropped, unless
+    `keep_plain` (--enable-torch-compile): then traced steps of at most COMPILED_TEMPLATE_MAX_ROWS
+    rows compute F.linear on it, for inductor to lower to its GEMM template."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, keep_plain: bool = False) -> None:
         super().__init__()
         self.out_features, self.in_features = weight.shape
         self.packed_weight = nn.Parameter(
             torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_BATCH_HINT), requires_grad=False
         )
+        self.plain_weight = nn.Parameter(weight.detach(), requires_grad=False) if keep_plain else None
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
 
     def _rows(self, rows: torch.Tensor) -> torch.Tensor:
+        if (self.plain_weight is not None and rows.shape[0] <= COMPILED_TEMPLATE_MAX_ROWS
+                and torch.compiler.is_compiling()):
+            return F.linear(rows, self.plain_weight, self.bias)
         out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(rows, self.packed_weight, self.bias, "none", [], "")
         return out
 
@@ -78,6 +98,6 @@ def replace_linears(model: nn.Module, make: Callable[[nn.Linear], nn.Module]) ->
     return len(targets)
 
 
-def prepack_linears(model: nn.Module) -> int:
+def prepack_linears(model: nn.Module, keep_plain: bool = False) -> int:
     """Replace every nn.Linear under `model` by a PackedLinear; returns how many."""
-    return replace_linears(model, lambda linear: PackedLinear(linear.weight, linear.bias))
+    return replace_linears(model, lambda linear: PackedLinear(linear.weight, linear.bias, keep_plain))
