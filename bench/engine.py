@@ -14,8 +14,8 @@ and each side keeps its best, so load from elsewhere on a shared box hits both a
                                                               -> b1_ratio_vs_hf
      and the engine's seconds per token / the weight-streaming floor (weight bytes per token
      / read bandwidth measured here)                          -> b1_vs_bandwidth_floor (>= 1)
-     with --torch-compile, the same through engines with --enable-torch-compile (bucket 1), and
-     with bf16 also --quantization int8 (floor: of the unquantized weights)
+     with --torch-compile, the same through engines with --enable-torch-compile (bucket 1), alone
+     and with --quantization int8 (floor: of the unquantized weights)
                                          -> b1_compiled_ratio_vs_hf, b1_compiled_vs_bandwidth_floor,
                                             b1_int8_compiled_ratio_vs_hf, ..._vs_bandwidth_floor
   3. steady decode, 32 requests: the engine loop vs a raw ModelRunner.forward + Sampler loop
@@ -24,7 +24,7 @@ and each side keeps its best, so load from elsewhere on a shared box hits both a
      (bench/engine_loops.py)                                  -> overlap_vs_normal
   4. levers: decode forward with vs without oneDNN weight prepacking, batch 1 and 32
                                                               -> prepack_speedup_b1/_bs32
-     with bf16: --quantization int8 (weight-only) vs the eager (prepacked) bf16 step
+     --quantization int8 (weight-only) vs the eager (prepacked) step
                                                               -> int8_speedup_b1/_bs32
      with --torch-compile: the inductor-compiled decode step vs the eager (prepacked) one
                                                               -> compile_speedup_b1/_bs32
@@ -155,8 +155,7 @@ def main(argv: list[str] | None = None) -> None:
     result.update(read_bandwidth_gbs=round(bandwidth, 1), b1_forward_ms=round(1000 * b1_step, 2))
     if args.torch_compile:  # batch 1 again through engines compiled for bucket 1 (~1 min of autotuning each)
         variants: list[tuple[str, dict[str, Any]]] = [("compiled", {})]
-        if dtype_name == "bfloat16":
-            variants.append(("int8_compiled", {"quantization": "int8"}))
+        variants.append(("int8_compiled", {"quantization": "int8"}))
         for label, extra in variants:
             compiled_engine = Engine(path, dtype=dtype_name, **engine_args(  # on this thread's OpenMP pool, as `normal`
                 1, enable_torch_compile=True, torch_compile_max_bs=1, disable_overlap_schedule=True, **extra))
@@ -191,7 +190,7 @@ def main(argv: list[str] | None = None) -> None:
         steady_normal_tok_s=round(toks / t_child_normal, 1), steady_overlap_tok_s=round(toks / t_child_overlap, 1),
     )
 
-    # 4. levers: oneDNN weight prepacking, weight-only int8 (bf16), and (--torch-compile) the
+    # 4. levers: oneDNN weight prepacking, weight-only int8, and (--torch-compile) the
     # inductor-compiled decode step
     runner = normal.core.runner
     levers: list[tuple[str, ModelRunner]] = []
@@ -205,9 +204,8 @@ def main(argv: list[str] | None = None) -> None:
         wanted = {1, batch}
         compiled.enable_decode_graphs(batch, SomeBuckets(capture, wanted))
         levers.append(("compile", compiled))
-    if dtype_name == "bfloat16":  # --quantization int8 runs with bf16 activations only
-        levers.append(("int8", ModelRunner(path, dtype=dtype, kv_pool=runner.kv_pool,
-                                           req_to_token=runner.req_to_token, quantization="int8")))
+    levers.append(("int8", ModelRunner(path, dtype=dtype, kv_pool=runner.kv_pool,  # its kernel: bf16 activations
+                                       req_to_token=runner.req_to_token, quantization="int8")))
     for name, other in levers:
         for b, key in ((1, f"{name}_speedup_b1"), (batch, f"{name}_speedup_bs{batch}")):
             base, lever = (other, runner) if name == "prepack" else (runner, other)

@@ -180,8 +180,8 @@ class ServerArgs:
         if self.quantization is not None:
             if self.quantization not in QUANTIZATIONS:
                 return f"--quantization must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}"
-            if self.dtype != "bfloat16":
-                return "--quantization int8 needs --dtype bfloat16 (weight-only int8 with bf16 activations)"
+            if self.dtype not in ("auto", "float32", "bfloat16"):
+                return f"--quantization int8 needs --dtype auto, float32 or bfloat16, got {self.dtype!r}"
         if self.engine_fault_spec is not None:
             try:
                 StepFault.parse(self.engine_fault_spec)
@@ -284,7 +284,8 @@ _HELP: dict[str, str] = {
     "cuda_graph_max_bs": "CUDA: decode batches up to this size run as CUDA graphs, one per batch-size bucket "
     "(default: --max-running-requests)",
     "disable_cuda_graph": "CUDA: run every decode step eagerly (no CUDA graphs)",
-    "quantization": "int8: weight-only int8 linears (CPU, --dtype bfloat16): half the weight bytes per decoded token",
+    "quantization": "int8: weight-only int8 linears (CPU, float32 or bfloat16 models): a quarter (fp32) or half (bf16) of "
+    "the weight bytes per decoded token",
     "enable_torch_compile": "CPU: compile the decode step with torch.compile (inductor) at startup, one graph per "
     "batch-size bucket up to --torch-compile-max-bs (cached under TORCHINDUCTOR_CACHE_DIR)",
     "torch_compile_max_bs": "largest decode batch run through a compiled step (larger ones run eagerly)",

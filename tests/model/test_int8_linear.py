@@ -58,20 +58,38 @@ def test_int8_linear_computes_what_the_dequantized_weight_does() -> None:
     torch.testing.assert_close(lin(rows).float(), one_by_one.float(), rtol=2e-2, atol=5e-2)
 
 
-def test_int8_is_refused_where_it_cannot_pay() -> None:
+def test_int8_is_refused_where_it_cannot_run() -> None:
     check_quantization(None, torch.device("cpu"), torch.float32)
     check_quantization("int8", torch.device("cpu"), torch.bfloat16)
-    for quant, device, dtype in (("int8", "cpu", torch.float32), ("int8", "cuda", torch.bfloat16),
+    check_quantization("int8", torch.device("cpu"), torch.float32)
+    for quant, device, dtype in (("int8", "cpu", torch.float16), ("int8", "cuda", torch.bfloat16),
                                  ("int4", "cpu", torch.bfloat16)):
         with pytest.raises(ValueError):
             check_quantization(quant, torch.device(device), dtype)
-    for kwargs in ({"dtype": "float32"}, {"dtype": "bfloat16", "quantization": "fp4"}):
+    for kwargs in ({"dtype": "float16"}, {"dtype": "bfloat16", "quantization": "fp4"}):
         with pytest.raises(ValueError, match="quantization"):
             ServerArgs(model_path="/m", **{"quantization": "int8", **kwargs})
+    ServerArgs(model_path="/m", quantization="int8")  # dtype auto
 
 
-def test_engine_serves_with_int8_weights(tiny_llama_path: str) -> None:
-    with Engine(tiny_llama_path, dtype="bfloat16", quantization="int8", max_total_tokens=2048) as engine:
+def test_int8_linear_in_a_float32_model() -> None:
+    """float32 activations: the kernel's rows are rounded to bfloat16 and come back as float32;
+    many rows go through the dequantized float32 weight (oneDNN packed)."""
+    torch.manual_seed(0)
+    weight, bias = torch.randn(96, 64), torch.randn(96)
+    lin = Int8Linear(weight, bias, torch.float32)
+    deq = lin.weight_int8.float() * lin.scales.float()[:, None]
+    x = torch.randn(7, 64)
+    for rows in (x[:1], x[:INT8_MAX_ROWS], x):
+        got = lin(rows)
+        assert got.dtype == torch.float32
+        torch.testing.assert_close(got, torch.nn.functional.linear(rows, deq, bias), rtol=2e-2, atol=5e-2)
+    assert (lin.wide is not None) == prepack_supported(torch.device("cpu"), torch.float32)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_engine_serves_with_int8_weights(tiny_llama_path: str, dtype: str) -> None:
+    with Engine(tiny_llama_path, dtype=dtype, quantization="int8", max_total_tokens=2048) as engine:
         linears = [m for m in engine.core.runner.model.modules() if isinstance(m, Int8Linear)]
         assert len(linears) >= 2 * engine.core.model_config.num_layers + 1  # the head too
         outs = engine.generate(input_ids=[[5, 6, 7, 8], [9, 10, 11]],
@@ -80,11 +98,12 @@ def test_engine_serves_with_int8_weights(tiny_llama_path: str) -> None:
         engine.check_integrity()
 
 
-def test_compiled_int8_decode_step_computes_what_the_eager_one_does(tiny_llama_path: str) -> None:
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_compiled_int8_decode_step_computes_what_the_eager_one_does(tiny_llama_path: str, dtype: str) -> None:
     """--quantization int8 with --enable-torch-compile: inductor's int8 GEMM (max-autotune) in
     the compiled batch-1 step gives the eager int8 step's logits (one bucket: each costs ~30 s
     of autotuning here)."""
-    h = PagedHarness(tiny_llama_path, page_size=4, dtype="bfloat16", quantization="int8")
+    h = PagedHarness(tiny_llama_path, page_size=4, dtype=dtype, quantization="int8")
     h.runner.enable_decode_graphs(2, SomeBuckets(CompileCapture(h.pool, h.runner.attn_backend), {1}))
     h.step(ForwardMode.EXTEND, [("r", [3, 9, 27, 31, 12])])
     for token in (40, 41):
@@ -105,7 +124,8 @@ def _teacher_forced_argmax(h: PagedHarness, seqs: list[list[int]]) -> list[torch
 
 
 @pytest.mark.slow
-def test_int8_top1_agrees_with_float32_on_the_default_model(default_model_path: str) -> None:
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_int8_top1_agrees_with_float32_on_the_default_model(default_model_path: str, dtype: str) -> None:
     tok = AutoTokenizer.from_pretrained(default_model_path)
     prompts = [tok(p)["input_ids"] for p in PROMPTS]
     with Engine(default_model_path, dtype="float32", max_total_tokens=8192) as engine:
@@ -114,7 +134,7 @@ def test_int8_top1_agrees_with_float32_on_the_default_model(default_model_path: 
     seqs = [p + o["output_ids"] for p, o in zip(prompts, outs, strict=True)]
     ref = _teacher_forced_argmax(PagedHarness(default_model_path, page_size=16, max_context=128), seqs)
     int8 = _teacher_forced_argmax(PagedHarness(default_model_path, page_size=16, max_context=128,
-                                               dtype="bfloat16", quantization="int8"), seqs)
+                                               dtype=dtype, quantization="int8"), seqs)
     agree = sum(int((a == b).sum()) for a, b in zip(ref, int8, strict=True))
     total = sum(len(s) for s in seqs)
     assert agree / total >= 0.93, f"int8 top-1 agreement with float32: {agree}/{total} = {agree / total:.4f}"
