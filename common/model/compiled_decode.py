@@ -4,9 +4,11 @@
     CompileCapture                         torch.compile(step, dynamic=False, fullgraph=True),
                                            run once at startup (the compile), then replayed
     inside the graph                       embedding, norms, rope, SiLU: fused C++/OpenMP; linears
-                                           and logits: max-autotune picks per shape between
-                                           oneDNN (weights packed by freezing) and inductor's
-                                           C++ GEMM template (int8 weights: its int8 template)
+                                           and logits: buckets of <= COMPILED_TEMPLATE_MAX_ROWS
+                                           rows autotune (max-autotune) F.linear on the plain
+                                           weights: inductor's C++ GEMM template, or its int8
+                                           template with --quantization int8; larger buckets call
+                                           oneDNN's packed linear (PackedLinear), no autotuning
     outside it (one opaque op per layer)   pdserve::paged_attention: the KV write at out_cache_loc
                                            + the backend's attention over this step's metadata
 
@@ -18,8 +20,10 @@ a restart on the same box recompiles from the cache.
 
 Measured on an AMD EPYC with avx512_bf16, 2 cores, SmolLM2-135M bf16, decode forward ms
 (eager = prepacked oneDNN):   batch 1: eager 24.7, compiled 20.6, compiled + max-autotune 12.8;
-batch 32: 54.6, 46.7, 46.9; with --quantization int8 and max-autotune: 9.7 / 54.0. Autotuning
-costs ~1 min per bucket on the first start (a progress line per bucket).
+batch 32: 54.6, 46.7, 46.9; with --quantization int8 and max-autotune: 9.7 / 54.0. On an AVX2
+EPYC (fp32), where max-autotune at batch 32 chose GEMMs slower than oneDNN's (0.75x eager), the
+split by bucket gives b1 1.75x, b4 1.46x, b8 1.19x, b32 1.10x the eager step. Autotuning costs
+~1 min per small bucket on the first start (a progress line per bucket).
 """
 
 from __future__ import annotations
