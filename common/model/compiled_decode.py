@@ -36,10 +36,10 @@ from typing import cast
 import torch
 
 from common.cache.kv_pool import KVPool
+from common.model import packed_linear
 from common.model.attention.base import AttentionBackend
 from common.model.decode_graphs import EagerCapture, Step
 from common.model.forward_batch import ForwardBatch
-from common.model.packed_linear import COMPILED_TEMPLATE_MAX_ROWS
 
 logger = logging.getLogger(__name__)
 
@@ -104,7 +104,7 @@ class CompileCapture(EagerCapture):
 
         start = time.perf_counter()
         compiled = cast(Step, torch.compile(step, dynamic=False, fullgraph=True))
-        with inductor_config.patch(max_autotune=size <= COMPILED_TEMPLATE_MAX_ROWS):
+        with inductor_config.patch(max_autotune=size <= packed_linear.COMPILED_TEMPLATE_MAX_ROWS):
             compiled()
         logger.info("torch.compile: decode step for batch size %d compiled in %.1f s", size, time.perf_counter() - start)
         return compiled
