@@ -89,7 +89,7 @@ class CompileCapture(EagerCapture):
     def __init__(self, pool: KVPool, backend: AttentionBackend) -> None:
         import torch._inductor.config as inductor_config
 
-        inductor_config.freezing = True  # weights as constants: inductor packs the linears for oneDNN
+        inductor_config.freezing = True  # weights as constants: the GEMM template packs the plain ones
         inductor_config.max_autotune_gemm_backends = "CPP,ATEN"
         inductor_config.autotune_num_choices_displayed = 0  # no timing table per shape in the log
         inductor_config.max_autotune_report_choices_stats = False

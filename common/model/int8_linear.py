@@ -47,7 +47,7 @@ def quantize_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
 
 class Int8Linear(RowsLinear):
     """y = x @ (q * scale)^T + b: up to INT8_MAX_ROWS rows the int8 weight is dequantized inside
-    the kernel; above, the same quantized weight, dequantized once at load into act_dtype and
+    the kernel (rows in KERNEL_DTYPE); above, the same quantized weight, dequantized once at load into act_dtype and
     packed for oneDNN (where the CPU runs act_dtype natively), computes it. Both paths are the
     one quantized model, so a request's outputs do not depend on which batch it ran in beyond
     the rounding every batched kernel has."""

@@ -16,8 +16,8 @@ has native bf16 (common.model.config.cpu_has_native_bf16); never on CUDA.
 
 Under --enable-torch-compile the packed weight still serves prefill and every decode batch
 of more than COMPILED_TEMPLATE_MAX_ROWS rows (compiled or not); only the compiled steps of
-the smallest buckets read a plain copy of the weight, which inductor's C++ GEMM template
-packs its own way. Measured on the AVX2 EPYC (all 121 linears, fp32, ms; compiled alone):
+the smallest buckets read the plain weight (kept beside the packed one), which inductor's
+C++ GEMM template packs its own way. Measured on the AVX2 EPYC (all 121 linears, fp32, ms; compiled alone):
 
     rows                                   1      2      4      8      32
     packed oneDNN (this class)             35.7   -      -      59.0   155.4
@@ -39,7 +39,7 @@ from common.model.config import cpu_has_native_bf16
 # (packed for 32 rows it beat packing for 1 row at every size measured, 1..256).
 PACK_BATCH_HINT = 32
 # Compiled decode steps of up to this many rows run their linears through inductor's C++ GEMM
-# template (a plain copy of each weight); above it oneDNN's packed linear is the faster one.
+# template (on the plain weights); above it oneDNN's packed linear is the faster one.
 COMPILED_TEMPLATE_MAX_ROWS = 4
 
 
