@@ -5,7 +5,7 @@ which hands its RoleSpec (common/scheduler/role.py). Nothing here runs a loop.
 
     ServerArgs, RoleSpec -> ModelConfig, KVPool, ReqToTokenPool, PageAllocator, RadixCache
                          -> ReqKVManager(defer_frees=role.defer_frees) -> TorchModelWorker
-                         -> Sync/ThreadExecutor -> role.build(SchedulerParts) -> scheduler (+ transfer)
+                         -> Sync/Launch/ThreadExecutor -> role.build(SchedulerParts) -> scheduler (+ transfer)
 
 With --tp-size N > 1 this process is rank 0: it starts ranks 1..N-1 (tp_ranks.py), which build
 the same RankWorker (build_rank_worker) on their shard, and wraps its worker in a
@@ -35,7 +35,14 @@ from common.model.model_runner import ModelRunner
 from common.model.sampler import Sampler
 from common.model.tensor_parallel import NO_TP, TPGroup, TPShard
 from common.scheduler.config import SchedulerConfig
-from common.scheduler.executor import Executor, ModelWorker, SyncExecutor, ThreadExecutor
+from common.scheduler.executor import (
+    Executor,
+    LaunchedStep,
+    LaunchExecutor,
+    SplitWorker,
+    SyncExecutor,
+    ThreadExecutor,
+)
 from common.scheduler.kv_manager import ReqKVManager
 from common.scheduler.model_worker import TorchModelWorker
 from common.scheduler.role import COLOCATED, RoleSpec, SchedulerParts, TransferLink
@@ -108,6 +115,25 @@ class EngineCore:
         if self.kv_events is not None:
             s["kv_events_port"] = float(self.kv_events.port)
         return s
+
+
+def worker_thread(args: ServerArgs, device: torch.device) -> bool:
+    """Does the overlap loop run the forward on a second thread? On CPU, yes: launching a step
+    computes it. On CUDA, no: one thread launches step N+1 before it waits on step N."""
+    if args.overlap_worker_thread == "auto":
+        return device.type == "cpu"
+    return args.overlap_worker_thread == "on"
+
+
+def make_executor(
+    args: ServerArgs, worker: SplitWorker[LaunchedStep], device: torch.device, on_thread_start: Callable[[], None]
+) -> Executor:
+    """SyncExecutor (normal loop), or the overlap loop on one thread or two (worker_thread)."""
+    if not args.overlap_schedule:
+        return SyncExecutor(worker)
+    if worker_thread(args, device):
+        return ThreadExecutor(worker, on_thread_start=on_device_thread(device, on_thread_start))
+    return LaunchExecutor(worker, on_thread_start=on_thread_start)
 
 
 def scheduler_config(args: ServerArgs, context_length: int) -> SchedulerConfig:
@@ -280,17 +306,14 @@ def _build_engine_core(
                                      secret=ClusterSecret.load(args.cluster_secret_file))
     radix = RadixCache(allocator, args.page_size, disable=args.disable_radix_cache, events=kv_events)
     kv = ReqKVManager(allocator, radix, rw.req_pool, defer_frees=role.defer_frees)
-    worker: ModelWorker = rw.worker if tp_ranks is None else TPLeaderWorker(rw.worker, tp_ranks.fanout)
-    executor: Executor
-    if not args.overlap_schedule:
-        executor = SyncExecutor(worker)
-    else:
-        def on_thread_start() -> None:  # the worker's device and stream, then the caller's hook
-            rw.worker.on_thread_start()
-            if on_worker_start is not None:
-                on_worker_start()
+    worker: SplitWorker[LaunchedStep] = rw.worker if tp_ranks is None else TPLeaderWorker(rw.worker, tp_ranks.fanout)
 
-        executor = ThreadExecutor(worker, on_thread_start=on_device_thread(device, on_thread_start))
+    def on_thread_start() -> None:  # the worker's device and stream, then the caller's hook
+        rw.worker.on_thread_start()
+        if on_worker_start is not None:
+            on_worker_start()
+
+    executor = make_executor(args, worker, device, on_thread_start)
     cfg = scheduler_config(args, rw.context_length)
     built = role.build(
         SchedulerParts(cfg=cfg, executor=executor, kv=kv, kv_pool=kv_pool, future_capacity=rw.future_capacity,

@@ -14,7 +14,11 @@ A step of the worker, in this vocabulary:
     stage(lists) -> device tensors    one host buffer per dtype, one async copy each
     ... forward + sample, queued ...
     record() -> StepEvent             completion of the step's KV writes (prefill sends wait on it)
-    fetch(tensors) -> lists           THE host sync of a step: the tokens to stream
+    start_fetch(tensors) -> HostCopy  the copy of the tokens to host memory, queued (no wait)
+    HostCopy.wait() -> lists          THE host sync of a step: the tokens to stream
+
+The overlap loop launches step N+1 (everything up to start_fetch) before it waits on step N's
+HostCopy, so the device never idles on the host's bookkeeping.
 
 Anything else that reads device memory on the host, or copies pageable host memory to the
 device, stalls the host until the device drains (tests/model/test_host_syncs.py counts them).
@@ -57,6 +61,24 @@ READY = ReadyEvent()
 Values = Sequence[int] | Sequence[float] | Sequence[bool]
 
 
+class HostCopy(Protocol):
+    """Device tensors on their way to host memory; wait() is the one host sync of a step."""
+
+    def wait(self) -> list[list]:  # type: ignore[type-arg]
+        """Block until the copies are done; the tensors as Python lists, in order."""
+        ...
+
+
+class ReadyCopy:
+    """CPU: the tensors already are in host memory; wait() only converts them."""
+
+    def __init__(self, tensors: Sequence[torch.Tensor]) -> None:
+        self.tensors = list(tensors)
+
+    def wait(self) -> list[list]:  # type: ignore[type-arg]
+        return [t.tolist() for t in self.tensors]
+
+
 class DeviceStreams(ABC):
     def __init__(self, device: torch.device) -> None:
         self.device = device
@@ -77,8 +99,14 @@ class DeviceStreams(ABC):
         """An event after everything the worker has queued so far."""
 
     @abstractmethod
+    def start_fetch(self, tensors: Sequence[torch.Tensor]) -> HostCopy:
+        """Queue one async device -> host copy per tensor and an event after them; no wait.
+        The copy owns its host buffers until wait() returns (the overlap loop waits on step N
+        after it has launched step N+1, so two copies may be in flight)."""
+
     def fetch(self, tensors: Sequence[torch.Tensor]) -> list[list]:  # type: ignore[type-arg]
-        """Python lists of device tensors: one async copy each, one event, one host wait."""
+        """Python lists of device tensors: start_fetch(tensors).wait()."""
+        return self.start_fetch(tensors).wait()
 
     @abstractmethod
     def enter_worker(self) -> None:
@@ -107,8 +135,8 @@ class HostStreams(DeviceStreams):
     def record(self) -> StepEvent:
         return READY
 
-    def fetch(self, tensors: Sequence[torch.Tensor]) -> list[list]:  # type: ignore[type-arg]
-        return [t.tolist() for t in tensors]
+    def start_fetch(self, tensors: Sequence[torch.Tensor]) -> HostCopy:
+        return ReadyCopy(tensors)
 
     def enter_worker(self) -> None:
         pass

@@ -2,15 +2,22 @@
 
     scheduler ──WorkerBatch──> executor.submit() ──> StepHandle.result() -> StepResult
 
-`SyncExecutor` runs the worker inline (normal loop). `ThreadExecutor` runs it on one
-worker thread fed by a FIFO (overlap loop on CPU: torch releases the GIL inside
-its kernels, so the scheduler prepares step N+1 while step N computes). On CUDA
-the same thread issues kernels on its own stream; ordering is the FIFO's.
+A worker step has two halves: launch (queue the forward and sampling on the device, start the
+copy of the sampled tokens to host memory) and collect (wait for that copy: the step's one
+host sync). The executors:
+
+    SyncExecutor     launch + collect inside submit()              the normal loop
+    LaunchExecutor   launch inside submit(), collect in result()   the overlap loop on a device
+                     one thread: schedule N+1, launch N+1, then collect N, so the device
+                     runs step N while the host prepares N+1 (CUDA: kernels are async)
+    ThreadExecutor   launch + collect on a second thread, FIFO     the overlap loop on CPU,
+                     where launch IS the compute (torch releases the GIL inside its kernels)
 
 FutureMap: every request in a step gets a future index; the worker stores the
 token it samples there. A later step that needs that token before the scheduler
 has seen it carries the placeholder -(index + 1) as input id, and the worker
-resolves it. Because steps run strictly in FIFO order, the value is always there.
+resolves it. Because steps are launched strictly in order on one device queue, the value is
+always there when the step that reads it runs.
 """
 
 from __future__ import annotations
@@ -20,9 +27,9 @@ import threading
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Generic, Protocol, TypeVar
 
-from common.model.device_streams import READY, StepEvent
+from common.model.device_streams import READY, HostCopy, StepEvent
 from common.model.forward_batch import ForwardMode
 from common.sampling_params import SamplingParams
 from common.scheduler.kv_manager import SlotWrite
@@ -86,6 +93,22 @@ class StepResult:
     done: StepEvent = READY
 
 
+@dataclass
+class LaunchedStep:
+    """A step the TorchModelWorker has launched and not yet collected (owned by the executor
+    until collect)."""
+
+    batch: WorkerBatch
+    keep: list[int]  # the requests whose token is sampled
+    start: float  # perf_counter at launch
+    done: StepEvent = READY
+    prompt_logprobs: list[PromptLogprobs | None] | None = None
+    copy: HostCopy | None = None  # the sampled tokens (+ logprobs) on their way to the host
+    has_logprobs: bool = False
+    has_top: bool = False
+    launch_seconds: float = 0.0
+
+
 class ModelWorker(Protocol):
     """Owns the device state: model, KV tensors, req_to_token table, future tokens."""
 
@@ -93,6 +116,17 @@ class ModelWorker(Protocol):
 
     @property
     def future_capacity(self) -> int: ...
+
+
+L = TypeVar("L")
+
+
+class SplitWorker(ModelWorker, Protocol[L]):
+    """A worker whose step splits into launch (no host wait) and collect (the one wait)."""
+
+    def launch(self, batch: WorkerBatch) -> L: ...
+
+    def collect(self, launched: L) -> StepResult: ...
 
 
 class StepHandle(Protocol):
@@ -118,6 +152,54 @@ class SyncExecutor:
         except BaseException as e:  # surfaced by result()
             fut.set_exception(e)
         return fut
+
+    def shutdown(self) -> None:
+        pass
+
+
+class LaunchedHandle(Generic[L]):
+    """Step N's handle in the one-thread overlap loop: result() collects it (once)."""
+
+    def __init__(self, worker: SplitWorker[L], launched: L) -> None:
+        self._worker = worker
+        self._launched = launched
+        self._fut: Future[StepResult] = Future()
+
+    def result(self, timeout: float | None = None) -> StepResult:
+        if not self._fut.done():
+            try:
+                self._fut.set_result(self._worker.collect(self._launched))
+            except BaseException as e:
+                self._fut.set_exception(e)
+        return self._fut.result(timeout)
+
+    def done(self) -> bool:
+        return self._fut.done()
+
+
+class LaunchExecutor(Generic[L]):
+    """The overlap loop on one thread: submit() launches, result() collects. The scheduler
+    submits step N+1 before it reads step N's result, so N+1 is queued on the device while N
+    runs. on_thread_start (the worker's device and stream) runs on the first submit's thread."""
+
+    def __init__(self, worker: SplitWorker[L], *, on_thread_start: Callable[[], None] | None = None) -> None:
+        self.worker = worker
+        self._on_start = on_thread_start
+        self._thread: int | None = None
+
+    def submit(self, batch: WorkerBatch) -> StepHandle:
+        if self._thread is None:
+            self._thread = threading.get_ident()
+            if self._on_start is not None:
+                self._on_start()
+        assert self._thread == threading.get_ident(), "LaunchExecutor used from two threads"
+        try:
+            launched = self.worker.launch(batch)
+        except BaseException as e:  # surfaced by result(), as the other executors do
+            failed: Future[StepResult] = Future()
+            failed.set_exception(e)
+            return failed
+        return LaunchedHandle(self.worker, launched)
 
     def shutdown(self) -> None:
         pass

@@ -1,4 +1,4 @@
-"""The real model worker: WorkerBatch -> forward -> sample -> StepResult.
+"""The real model worker: WorkerBatch -> launch (forward, sample, async token copy) -> collect.
 
 Runs on the executor's thread. It is the only code that touches device state
 (KV tensors through the runner, the req_to_token table, the future token map,
@@ -15,7 +15,7 @@ from common.model.forward_batch import ForwardBatch
 from common.model.model_runner import ModelRunner
 from common.model.sampler import Sampler, SamplingBatchInfo
 from common.scheduler import step_fault
-from common.scheduler.executor import PromptLogprobs, StepResult, WorkerBatch
+from common.scheduler.executor import LaunchedStep, PromptLogprobs, StepResult, WorkerBatch
 
 
 class TorchModelWorker:
@@ -59,9 +59,15 @@ class TorchModelWorker:
             fb.input_ids = torch.where(pending, self.future_tokens[(-ids - 1).clamp(min=0)], ids)
         return fb
 
-    @torch.inference_mode()
     def run(self, batch: WorkerBatch) -> StepResult:
-        """Queue the step's device work; wait (the step's one host sync) only for sampled tokens."""
+        """One step, launched and collected at once (the normal loop, TP followers)."""
+        return self.collect(self.launch(batch))
+
+    @torch.inference_mode()
+    def launch(self, batch: WorkerBatch) -> LaunchedStep:
+        """Queue the step's device work: inputs, forward, sampling into device tensors, the
+        future-map store, and the async copy of the sampled tokens to host memory. Never waits
+        for the device (a step whose prompt logprobs are asked for reads them back here)."""
         start = time.perf_counter()
         step_fault.before_forward()  # test-only: --engine-fault-spec makes this forward slow or hang
         self.streams.worker_waits_for_scheduler()
@@ -84,9 +90,9 @@ class TorchModelWorker:
         # Only requests whose token is kept are sampled: a non-final prompt chunk must not
         # advance its row's seed step or penalty counts.
         keep = [i for i, s in enumerate(batch.samples) if s] if batch.samples else list(range(n))
+        step = LaunchedStep(batch=batch, keep=keep, start=start, done=done, prompt_logprobs=prompt_logprobs)
         if not keep:  # nothing to stream (non-final prompt chunks): no host sync at all
-            return StepResult(next_token_ids=[0] * n, forward_seconds=time.perf_counter() - start,
-                              prompt_logprobs=prompt_logprobs, done=done)
+            return step
         rows = [batch.sampling[i] for i in keep]
         everyone = len(keep) == n
         index, future = self.streams.stage([keep, [batch.future_indices[i] for i in keep]], torch.int64)
@@ -107,30 +113,43 @@ class TorchModelWorker:
             wanted.append(out.logprobs)
         if out.top_logprobs is not None:
             wanted += [out.top_logprobs.values, out.top_logprobs.token_ids]
-        fetched = iter(self.streams.fetch(wanted))
+        step.copy = self.streams.start_fetch(wanted)
+        step.has_logprobs = out.logprobs is not None
+        step.has_top = out.top_logprobs is not None
+        step.launch_seconds = time.perf_counter() - start
+        return step
+
+    def collect(self, step: LaunchedStep) -> StepResult:
+        """Wait for a launched step's tokens (its one host sync) and build its StepResult."""
+        batch, keep = step.batch, step.keep
+        n = len(batch.sampling)
+        if step.copy is None:
+            return StepResult(next_token_ids=[0] * n, forward_seconds=time.perf_counter() - step.start,
+                              prompt_logprobs=step.prompt_logprobs, done=step.done)
+        fetched = iter(step.copy.wait())
         kept_ids: list[int] = next(fetched)
         next_ids = [0] * n
         for i, t in zip(keep, kept_ids, strict=True):
             next_ids[i] = t
         logprobs: list[float] | None = None
         top: list[list[tuple[int, float]]] | None = None
-        if out.logprobs is not None:
+        if step.has_logprobs:
             logprobs = [0.0] * n
             for i, lp in zip(keep, next(fetched), strict=True):
                 logprobs[i] = lp
-        if out.top_logprobs is not None:
+        if step.has_top:
             values, ids = next(fetched), next(fetched)
             top = [[] for _ in batch.sampling]
-            for j, (i, s) in enumerate(zip(keep, rows, strict=True)):
-                k = s.top_logprobs_num
+            for j, i in enumerate(keep):
+                k = batch.sampling[i].top_logprobs_num
                 top[i] = list(zip(ids[j][:k], values[j][:k], strict=True))
         return StepResult(
             next_token_ids=next_ids,
             logprobs=logprobs,
             top_logprobs=top,
-            forward_seconds=time.perf_counter() - start,
-            prompt_logprobs=prompt_logprobs,
-            done=done,
+            forward_seconds=time.perf_counter() - step.start,
+            prompt_logprobs=step.prompt_logprobs,
+            done=step.done,
         )
 
     def _prompt_logprobs(self, hidden: torch.Tensor, batch: WorkerBatch) -> list[PromptLogprobs | None]:

@@ -18,7 +18,7 @@ from collections.abc import Callable
 import msgspec
 import zmq
 
-from common.scheduler.executor import StepResult, WorkerBatch
+from common.scheduler.executor import LaunchedStep, StepResult, WorkerBatch
 from common.scheduler.model_worker import TorchModelWorker
 
 logger = logging.getLogger(__name__)
@@ -96,8 +96,14 @@ class TPLeaderWorker:
         self.worker.on_thread_start()
 
     def run(self, batch: WorkerBatch) -> StepResult:
+        return self.collect(self.launch(batch))
+
+    def launch(self, batch: WorkerBatch) -> LaunchedStep:
         self.fanout.send(TPStep(batch))
-        return self.worker.run(batch)
+        return self.worker.launch(batch)
+
+    def collect(self, launched: LaunchedStep) -> StepResult:
+        return self.worker.collect(launched)
 
 
 class TPFollower:

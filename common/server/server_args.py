@@ -29,6 +29,7 @@ DISAGGREGATION_MODES = ("null", "prefill", "decode")
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+OVERLAP_WORKER_THREADS = ("auto", "on", "off")
 
 
 @dataclass(frozen=True)
@@ -66,6 +67,7 @@ class ServerArgs:
     schedule_conservativeness: float = SchedulerConfig.schedule_conservativeness
     disable_overlap_schedule: bool = False
     enable_cpu_overlap_schedule: bool = False
+    overlap_worker_thread: str = "auto"
     enable_mixed_chunk: bool = False
     disable_radix_cache: bool = False
     attention_backend: str = "auto"
@@ -113,6 +115,7 @@ class ServerArgs:
             "device": DEVICES,
             "dtype": DTYPES,
             "log_level": LOG_LEVELS,
+            "overlap_worker_thread": OVERLAP_WORKER_THREADS,
         }
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
@@ -278,6 +281,8 @@ _HELP: dict[str, str] = {
     "schedule_conservativeness": "scales the initial new_token_ratio",
     "disable_overlap_schedule": "run the scheduler and the forward in lock step",
     "enable_cpu_overlap_schedule": "accepted for compatibility: the overlap loop is the default on CPU too",
+    "overlap_worker_thread": "the overlap loop's forward on a second thread: auto = on CPU (where the forward "
+    "computes), off on CUDA (one thread launches step N+1, then waits on step N)",
     "enable_mixed_chunk": "run a prefill chunk and decode steps in one batch",
     "disable_radix_cache": "no prefix cache",
     "attention_backend": "attention kernels (auto: flashinfer on CUDA when installed, torch elsewhere)",
@@ -337,6 +342,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "device": DEVICES,
         "dtype": DTYPES,
         "log_level": LOG_LEVELS,
+        "overlap_worker_thread": OVERLAP_WORKER_THREADS,
     }
     for field in dataclasses.fields(ServerArgs):
         default = field.default

@@ -32,12 +32,15 @@ def check_parity(engine: Engine, path: str, prompts: list[list[int]], max_new: i
 
 
 @pytest.mark.parametrize("page_size", [1, 16])
-@pytest.mark.parametrize("overlap", [True, False])
+@pytest.mark.parametrize("overlap", [True, False, "one-thread"])
 def test_llama_parity_chunked_and_cached(tiny_llama_path, page_size, overlap):
+    """Both loops; "one-thread" is the overlap loop as it runs on CUDA (LaunchExecutor: step N+1
+    launched before step N is collected, its input ids from the FutureMap)."""
     path = str(tiny_llama_path)
     engine = Engine(
         path, dtype="float32", page_size=page_size, chunked_prefill_size=32, max_prefill_tokens=96,
-        max_total_tokens=8192, disable_overlap_schedule=not overlap, enable_cpu_overlap_schedule=overlap,
+        max_total_tokens=8192, disable_overlap_schedule=not overlap, enable_cpu_overlap_schedule=bool(overlap),
+        overlap_worker_thread="off" if overlap == "one-thread" else "auto",
     )
     try:
         rng = random.Random(7)

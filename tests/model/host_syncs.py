@@ -2,7 +2,7 @@
 
     with HostSyncCounter() as c:
         scheduler.step()
-    c.fetches   # DeviceStreams.fetch calls: the step's one budgeted sync (its tokens)
+    c.fetches   # HostCopy.wait calls (DeviceStreams.fetch / start_fetch): the step's one budgeted sync
     c.syncs     # everything else that reads device memory on the host or copies pageable
                 # host memory to the device, as {"Tensor.tolist": n, ...}
 
@@ -11,7 +11,7 @@ float() of a tensor, torch.nonzero, repeat_interleave without output_size (its o
 read back), torch.tensor / torch.as_tensor given a device (pageable host -> device), and
 Tensor.to(device) from an unpinned tensor. On CPU nothing really waits, so this is how a CPU
 test keeps a GPU's step free of syncs: every host -> device copy must go through
-DeviceStreams.stage, and every device -> host read through DeviceStreams.fetch.
+DeviceStreams.stage, and every device -> host read through DeviceStreams.start_fetch + wait.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from common.model.device_streams import HostStreams
+from common.model.device_streams import ReadyCopy
 
 TENSOR_METHODS = ("item", "tolist", "cpu", "numpy", "nonzero", "__bool__", "__int__", "__float__")
 
@@ -84,7 +84,7 @@ class HostSyncCounter:
         self._patch(torch, "tensor", lambda *a, **k: k.get("device") is not None)
         self._patch(torch, "as_tensor", lambda *a, **k: k.get("device") is not None)
         self._patch(torch.Tensor, "to", _host_to_device)
-        self._quietly(HostStreams, "fetch", self._count_fetch)
+        self._quietly(ReadyCopy, "wait", self._count_fetch)
         for owner, name in self._exempt:
             self._quietly(owner, name)
         return self

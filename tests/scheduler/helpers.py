@@ -8,15 +8,19 @@ from dataclasses import dataclass, field
 from common.cache import PageAllocator, RadixCache, ReqToTokenPool
 from common.sampling_params import SamplingParams
 from common.scheduler.config import SchedulerConfig
-from common.scheduler.executor import SyncExecutor, ThreadExecutor
+from common.scheduler.executor import Executor, LaunchExecutor, SyncExecutor, ThreadExecutor
 from common.scheduler.fake_worker import FakeModelWorker
 from common.scheduler.kv_manager import ReqKVManager
 from common.scheduler.messages import TokenOut
 from common.scheduler.req import Req
 from common.scheduler.scheduler import Scheduler
+from common.scheduler.sim_device import SimulatedDeviceWorker
 
 VOCAB = 997
 EOS = frozenset({3})
+# make_harness(overlap=...): the normal loop, the overlap loop, and the overlap loop on one thread
+# (LaunchExecutor) over a simulated device whose steps run on another thread, after launch returns
+LOOPS = [True, False, "device"]
 
 
 @dataclass
@@ -46,12 +50,12 @@ def make_harness(
     page_size: int = 4,
     num_pages: int = 256,
     max_reqs: int = 64,
-    overlap: bool = True,
+    overlap: bool | str = True,
     threaded: bool = False,
     step_delay_s: float = 0.0,
     **cfg_kwargs: object,
 ) -> Harness:
-    cfg = SchedulerConfig(page_size=page_size, enable_overlap=overlap, **cfg_kwargs)  # type: ignore[arg-type]
+    cfg = SchedulerConfig(page_size=page_size, enable_overlap=bool(overlap), **cfg_kwargs)  # type: ignore[arg-type]
     allocator = PageAllocator(num_pages, page_size)
     radix = RadixCache(allocator, page_size, disable=cfg.disable_radix_cache)
     pool = ReqToTokenPool(max_reqs, cfg.context_length)
@@ -61,7 +65,11 @@ def make_harness(
         vocab_size=VOCAB, num_slots=num_pages * page_size, max_reqs=max_reqs, future_capacity=future_capacity,
         step_delay_s=step_delay_s,
     )
-    executor = ThreadExecutor(worker) if threaded else SyncExecutor(worker)
+    executor: Executor
+    if overlap == "device":
+        executor = LaunchExecutor(SimulatedDeviceWorker(worker, host_s=0.0, device_s=0.0))
+    else:
+        executor = ThreadExecutor(worker) if threaded else SyncExecutor(worker)
     h = Harness(scheduler=None, worker=worker)  # type: ignore[arg-type]
     h.scheduler = Scheduler(cfg, executor, kv, future_capacity=future_capacity, output=h.collect)
     return h

@@ -8,7 +8,7 @@ from common.model.forward_batch import ForwardMode
 from common.scheduler.fake_worker import reference_generate
 from common.scheduler.new_token_ratio import NewTokenRatioTracker
 from common.scheduler.req import ReqState
-from tests.scheduler.helpers import EOS, VOCAB, make_harness, make_req, mixed_workload
+from tests.scheduler.helpers import EOS, LOOPS, VOCAB, make_harness, make_req, mixed_workload
 
 
 def run_workload(h, workload, *, ignore_eos=True):
@@ -22,7 +22,7 @@ def run_workload(h, workload, *, ignore_eos=True):
     h.check()
 
 
-@pytest.mark.parametrize("overlap", [True, False])
+@pytest.mark.parametrize("overlap", LOOPS)
 @pytest.mark.parametrize("page_size", [1, 4, 16])
 @pytest.mark.parametrize("policy", ["fcfs", "lpm", "lof", "random", "priority"])
 def test_outputs_exact_all_policies(overlap, page_size, policy):
@@ -31,7 +31,7 @@ def test_outputs_exact_all_policies(overlap, page_size, policy):
     run_workload(h, mixed_workload(24, seed=page_size))
 
 
-@pytest.mark.parametrize("overlap", [True, False])
+@pytest.mark.parametrize("overlap", LOOPS)
 def test_mixed_chunk_outputs_exact(overlap):
     h = make_harness(page_size=4, num_pages=1024, overlap=overlap, chunked_prefill_size=16, enable_mixed_chunk=True)
     modes = []
@@ -57,9 +57,10 @@ def test_eos_stops_and_threaded_overlap():
     h.scheduler.executor.shutdown()
 
 
-def test_retraction_keeps_outputs_exact():
+@pytest.mark.parametrize("overlap", LOOPS)
+def test_retraction_keeps_outputs_exact(overlap):
     # 40 pages x 4 tokens: far less than 16 requests x ~100 tokens.
-    h = make_harness(page_size=4, num_pages=48, chunked_prefill_size=32, schedule_policy="fcfs")
+    h = make_harness(page_size=4, num_pages=48, chunked_prefill_size=32, schedule_policy="fcfs", overlap=overlap)
     wl = [(f"r{i}", [10 + i] * 20, 60) for i in range(16)]
     run_workload(h, wl)
     assert h.scheduler.num_retractions > 0
@@ -96,7 +97,7 @@ def _abort_first(h, predicate, max_steps=2000):
     raise AssertionError("no request reached the state")
 
 
-@pytest.mark.parametrize("overlap", [True, False])
+@pytest.mark.parametrize("overlap", LOOPS)
 @pytest.mark.parametrize(
     "state", [ReqState.WAITING, ReqState.CHUNKED, ReqState.RUNNING, ReqState.RETRACTED]
 )
@@ -146,7 +147,7 @@ def test_finished_request_not_decoded_twice_in_overlap():
     h.check()
 
 
-@pytest.mark.parametrize("overlap", [True, False])
+@pytest.mark.parametrize("overlap", LOOPS)
 def test_deferred_frees_keep_outputs_and_pools(overlap):
     """PD decode mode: freed pages wait for the step in flight; nothing leaks at idle."""
     h = make_harness(page_size=4, num_pages=64, overlap=overlap, chunked_prefill_size=16, schedule_policy="fcfs")
