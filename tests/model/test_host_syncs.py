@@ -144,20 +144,28 @@ def test_the_counter_sees_a_blocking_copy_and_a_read_back(tiny_llama_path: str) 
     assert c.fetches == 0
 
 
-def test_overlap_loop_stays_within_the_budget(tiny_llama_path: str) -> None:
-    """The overlap loop: the worker thread's steps, counted over a whole run (a step's work
-    may end after the scheduler's step returns): one fetch per sampling batch, nothing else."""
+@pytest.mark.parametrize("worker_thread", ["on", "off"])
+def test_overlap_loop_stays_within_the_budget(tiny_llama_path: str, worker_thread: str) -> None:
+    """The overlap loop, counted over a whole run (with a worker thread a step's work may end
+    after the scheduler's step returns): one fetch per sampling batch, nothing else. On one
+    thread (as on CUDA) each scheduler step also waits at most once: on the step before it."""
     engine = Engine(tiny_llama_path, dtype="float32", page_size=4, chunked_prefill_size=32, max_total_tokens=4096,
-                    enable_cpu_overlap_schedule=True)
+                    enable_cpu_overlap_schedule=True, overlap_worker_thread=worker_thread)
     try:
         add_requests(engine, [5, 17, 40, 70, 3, 33])
         submitted = record_batches(engine)
+        per_step: list[int] = []
         with HostSyncCounter() as c:
-            engine.scheduler.run_until_idle()
+            while engine.scheduler.has_work:
+                before = c.fetches
+                engine.scheduler.step()
+                per_step.append(c.fetches - before)
             engine.core.executor.shutdown()  # joins the worker thread: every step has ended
         assert c.syncs == {}
         assert c.fetches == sum(any(b.samples or [True]) for b in submitted)
         assert sum(b.mode is ForwardMode.DECODE for b in submitted) >= 8
+        if worker_thread == "off":
+            assert max(per_step) == 1
         engine.check_integrity()
     finally:
         engine.shutdown()

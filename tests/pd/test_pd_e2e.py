@@ -38,13 +38,15 @@ def workload(n: int, seed: int) -> list[list[int]]:
     return prompts
 
 
-@pytest.fixture(scope="module", params=[(16, True), (16, False), (1, True), (1, False)],
-                ids=["page16-overlap", "page16-normal", "page1-overlap", "page1-normal"])
+@pytest.fixture(scope="module", params=[(16, True), (16, False), (1, True), (1, False), (16, "one-thread")],
+                ids=["page16-overlap", "page16-normal", "page1-overlap", "page1-normal", "page16-overlap-one-thread"])
 def pair(request: pytest.FixtureRequest, tiny_llama_path: str) -> Iterator[PDPair]:
     page_size, overlap = request.param
     ps = str(page_size)
-    # both loops on both page sizes (the overlap loop is the default)
+    # both loops on both page sizes (the overlap loop is the default); one-thread: as on CUDA
     loop = [] if overlap else ["--disable-overlap-schedule"]
+    if overlap == "one-thread":
+        loop = ["--overlap-worker-thread", "off"]
     p = start_pair(Path(tiny_llama_path),
                    ["--page-size", ps, "--chunked-prefill-size", "32", "--max-total-tokens", "8192", *loop],
                    ["--page-size", ps, "--max-total-tokens", "8192", *loop])
