@@ -31,21 +31,26 @@ class RotaryEmbedding:
         self.context_length = config.context_length
 
     def table(self, positions: torch.Tensor) -> RopeTable:
-        """cos/sin of this step's tokens, looked up once per forward and shared by all layers."""
-        return RopeTable(self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1))
+        """cos/sin of this step's tokens, looked up once per forward and shared by all layers, laid
+        out so that a rotation is x * cos + roll(x) * sin (4 ops per tensor instead of 9)."""
+        cos, sin = self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+        return RopeTable(torch.cat((cos, cos), dim=-1), torch.cat((-sin, sin), dim=-1))
 
 
 class RopeTable(NamedTuple):
-    cos: torch.Tensor  # [T, 1, head_dim // 2] float32
-    sin: torch.Tensor
+    cos: torch.Tensor  # [T, 1, head_dim] float32: [cos | cos]
+    sin: torch.Tensor  # [T, 1, head_dim] float32: [-sin | sin]
 
     def apply(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """q: [T, Hq, D], k: [T, Hk, D] -> rotated q, k (same dtype)."""
         return self._rotate(q), self._rotate(k)
 
     def _rotate(self, x: torch.Tensor) -> torch.Tensor:
-        x1, x2 = x.float().chunk(2, dim=-1)
-        return torch.cat((x1 * self.cos - x2 * self.sin, x2 * self.cos + x1 * self.sin), dim=-1).to(x.dtype)
+        """[x1*cos - x2*sin | x2*cos + x1*sin] in fp32, bit for bit: roll(x) = [x2 | x1], and
+        x1*cos + x2*(-sin) rounds exactly as x1*cos - x2*sin."""
+        xf = x if x.dtype == torch.float32 else x.float()
+        out = xf * self.cos + xf.roll(x.shape[-1] // 2, dims=-1) * self.sin
+        return out if x.dtype == torch.float32 else out.to(x.dtype)
 
 
 def _inv_freq(config: ModelConfig, device: torch.device) -> tuple[torch.Tensor, float]:

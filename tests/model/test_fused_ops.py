@@ -80,3 +80,18 @@ def test_model_with_fused_ops_matches_torch_ops(monkeypatch: pytest.MonkeyPatch,
     per_step = (1, 2 * 3, 3)
     counts = (names.count("rmsnorm"), names.count("fused_add_rmsnorm"), names.count("silu_and_mul"))
     assert counts == tuple(n * len(steps) for n in per_step)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_rotation_is_the_rotate_half_formula_bit_for_bit(dtype: torch.dtype) -> None:
+    """RopeTable rotates with 4 ops (x * [cos|cos] + roll(x) * [-sin|sin]); the numbers are
+    exactly HF's [x1*cos - x2*sin | x2*cos + x1*sin]."""
+    from common.model.rope import RopeTable
+
+    gen = torch.Generator().manual_seed(0)
+    cos, sin = torch.randn(9, 1, 32, generator=gen), torch.randn(9, 1, 32, generator=gen)
+    x = torch.randn(9, 3, 64, generator=gen).to(dtype)
+    x1, x2 = x.float().chunk(2, dim=-1)
+    expected = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(dtype)
+    table = RopeTable(torch.cat((cos, cos), dim=-1), torch.cat((-sin, sin), dim=-1))
+    assert torch.equal(table.apply(x, x)[0], expected)
