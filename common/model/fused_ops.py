@@ -1,6 +1,7 @@
 """The decoder's elementwise ops: plain torch, or flashinfer's fused kernels on a GPU.
 
     rms_norm(x, w)                   weight * rmsnorm(x)                 (fp32 math)
+    rope(q, k, table)                q, k rotated (rope.py's RopeTable)   (fp32 math)
     add_rms_norm(x, residual, w)     residual' = x + residual; (rms_norm(residual', w), residual')
     silu_and_mul(gate_up)            silu(gate) * up, gate_up = [gate | up] on the last axis
 
@@ -12,10 +13,15 @@ kernel (fused_add_rmsnorm works in place: x and residual are overwritten), where
 from __future__ import annotations
 
 import importlib.util
+import logging
 from typing import Any
 
 import torch
 import torch.nn.functional as F
+
+from common.model.rope import RopeTable, RotaryEmbedding
+
+logger = logging.getLogger(__name__)
 
 FUSED_DTYPES = (torch.float16, torch.bfloat16)
 
@@ -37,6 +43,14 @@ class TorchOps:
     def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate) * up
+
+    def rope(self, q: torch.Tensor, k: torch.Tensor, table: RopeTable) -> tuple[torch.Tensor, torch.Tensor]:
+        """q [T, Hq, D], k [T, Hk, D] rotated at table.positions (new tensors or, fused, in place)."""
+        return table.apply(q, k)
+
+    def check(self, rope: RotaryEmbedding, num_heads: int, num_kv_heads: int, device: torch.device,
+              dtype: torch.dtype) -> None:
+        """Once, before the first forward: fused kernels agree with the torch reference."""
 
 
 class FlashInferOps(TorchOps):
@@ -61,6 +75,41 @@ class FlashInferOps(TorchOps):
     def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         out: torch.Tensor = self.fi.silu_and_mul(gate_up.contiguous())
         return out
+
+    fused_rope = True  # until check() finds the kernel disagreeing with the reference
+
+    def rope(self, q: torch.Tensor, k: torch.Tensor, table: RopeTable) -> tuple[torch.Tensor, torch.Tensor]:
+        """One kernel for q and k, in place (q and k may be strided views of the qkv output)."""
+        if not self.fused_rope or q.dtype not in FUSED_DTYPES:
+            return super().rope(q, k, table)
+        n, _, head_dim = q.shape
+        self.fi.apply_rope_with_cos_sin_cache_inplace(
+            positions=table.positions, query=q.view(n, -1), key=k.view(n, -1), head_size=head_dim,
+            cos_sin_cache=table.cos_sin_cache, is_neox=True,
+        )
+        return q, k
+
+    def check(self, rope: RotaryEmbedding, num_heads: int, num_kv_heads: int, device: torch.device,
+              dtype: torch.dtype) -> None:
+        """The fused rope against RopeTable.apply on random q/k at a few positions (a layout
+        mismatch is off by O(1), rounding by a few bf16 ulps); on disagreement, torch's rope."""
+        head_dim = rope.cos_sin_cache.shape[-1]
+        gen = torch.Generator(device=device).manual_seed(0)
+        positions = torch.tensor([0, 1, 7, rope.context_length - 1], device=device)
+        q = torch.randn(4, num_heads, head_dim, device=device, generator=gen).to(dtype)
+        k = torch.randn(4, num_kv_heads, head_dim, device=device, generator=gen).to(dtype)
+        table = rope.table(positions)
+        want_q, want_k = table.apply(q, k)
+        try:
+            got_q, got_k = self.rope(q.clone(), k.clone(), table)
+            ok = all(torch.allclose(a.float(), b.float(), atol=6e-2, rtol=2e-2)
+                     for a, b in ((got_q, want_q), (got_k, want_k)))
+        except Exception as e:  # an API this flashinfer does not have
+            logger.warning("flashinfer rope failed (%s); using torch's", e)
+            ok = None
+        if ok is False:
+            logger.warning("flashinfer rope disagrees with the reference; using torch's")
+        self.fused_rope = bool(ok)
 
 
 def select_fused_ops(device: torch.device, dtype: torch.dtype) -> TorchOps:

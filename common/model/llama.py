@@ -65,6 +65,7 @@ class LlamaAttention(nn.Module):
         rope: RopeTable,
         kv_pool: KVPool,
         backend: AttentionBackend,
+        ops: TorchOps = TORCH_OPS,
     ) -> torch.Tensor:
         n = x.shape[0]
         q, k, v = self.qkv_proj(x).split(self.sizes, dim=-1)
@@ -73,7 +74,7 @@ class LlamaAttention(nn.Module):
         v = v.reshape(n, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rope.apply(q, k)
+        q, k = ops.rope(q, k, rope)
         return self.tp.all_reduce(self.o_proj(_attend(q, k, v, self.layer_id, batch, kv_pool, backend)))
 
 
@@ -125,7 +126,7 @@ class LlamaDecoderLayer(nn.Module):
             residual, h = x, self.input_layernorm(x, ops)
         else:
             h, residual = self.input_layernorm.add(x, residual, ops)
-        h = self.self_attn(h, batch, rope, kv_pool, backend)
+        h = self.self_attn(h, batch, rope, kv_pool, backend, ops)
         h, residual = self.post_attention_layernorm.add(h, residual, ops)
         return self.mlp(h, ops), residual
 

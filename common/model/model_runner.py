@@ -69,6 +69,7 @@ class ModelRunner:
         start = time.perf_counter()
         self.model = build_model(self.model_config, dtype=self.dtype, device=self.device, shard=self.shard, tp=tp)
         self.model.ops = select_fused_ops(self.device, self.dtype)
+        self.model.ops.check(self.model.rope, self.shard.num_heads, self.shard.num_kv_heads, self.device, self.dtype)
         check_quantization(quantization, self.device, self.dtype)
         self.weights_prepacked = quantization is None and cpu_weight_prepack and prepack_supported(self.device, self.dtype)
         if quantization == "int8":

@@ -28,18 +28,21 @@ class RotaryEmbedding:
         freqs = torch.outer(positions, inv_freq)
         self.cos = freqs.cos() * factor
         self.sin = freqs.sin() * factor
+        self.cos_sin_cache = torch.cat((self.cos, self.sin), dim=-1)  # [context, head_dim]: fused kernels
         self.context_length = config.context_length
 
     def table(self, positions: torch.Tensor) -> RopeTable:
         """cos/sin of this step's tokens, looked up once per forward and shared by all layers, laid
         out so that a rotation is x * cos + roll(x) * sin (4 ops per tensor instead of 9)."""
         cos, sin = self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
-        return RopeTable(torch.cat((cos, cos), dim=-1), torch.cat((-sin, sin), dim=-1))
+        return RopeTable(torch.cat((cos, cos), dim=-1), torch.cat((-sin, sin), dim=-1), positions, self.cos_sin_cache)
 
 
 class RopeTable(NamedTuple):
     cos: torch.Tensor  # [T, 1, head_dim] float32: [cos | cos]
     sin: torch.Tensor  # [T, 1, head_dim] float32: [-sin | sin]
+    positions: torch.Tensor  # [T]: for a fused kernel that looks the table up itself
+    cos_sin_cache: torch.Tensor  # [context, head_dim] float32: [cos | sin] of every position
 
     def apply(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """q: [T, Hq, D], k: [T, Hk, D] -> rotated q, k (same dtype)."""

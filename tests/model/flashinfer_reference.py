@@ -376,3 +376,27 @@ def silu_and_mul(input: torch.Tensor, out: torch.Tensor | None = None, enable_pd
         return y
     out.copy_(y)
     return out
+
+
+def apply_rope_with_cos_sin_cache_inplace(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
+                                          head_size: int, cos_sin_cache: torch.Tensor, is_neox: bool = True) -> None:
+    """flashinfer.rope's documented contract: query [nnz, Hq * head_size] and key [nnz, Hk * head_size]
+    (strided rows allowed: the kernel takes strides), cos_sin_cache [max_pos, rotary_dim] float32 with
+    cos in the first half and sin in the second; is_neox rotates the two halves of each head."""
+    CALLS.append(("apply_rope_with_cos_sin_cache_inplace", (positions, query, key), {"is_neox": is_neox}))
+    if query.dtype not in DTYPES or cos_sin_cache.dtype != torch.float32:
+        raise RuntimeError("apply_rope_with_cos_sin_cache_inplace: q/k fp16/bf16, cos_sin_cache float32")
+    if query.dim() != 2 or key.dim() != 2 or query.stride(-1) != 1 or key.stride(-1) != 1:
+        raise ValueError("apply_rope_with_cos_sin_cache_inplace: query and key must be [nnz, heads * head_size]")
+    half = cos_sin_cache.shape[1] // 2
+    cs = cos_sin_cache[positions.long()]
+    cos, sin = cs[:, None, :half], cs[:, None, half:]
+    for t in (query, key):
+        x = t.view(t.shape[0], -1, head_size).float()
+        if is_neox:
+            x1, x2 = x[..., :half], x[..., half:]
+            out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+        else:
+            x1, x2 = x[..., 0::2], x[..., 1::2]
+            out = torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).flatten(-2)
+        t.view(t.shape[0], -1, head_size).copy_(out.to(t.dtype))

@@ -8,6 +8,7 @@ on a GPU the same comparisons run on the real kernels.
 from __future__ import annotations
 
 import random
+from pathlib import Path
 
 import pytest
 import torch
@@ -93,5 +94,37 @@ def test_rope_rotation_is_the_rotate_half_formula_bit_for_bit(dtype: torch.dtype
     x = torch.randn(9, 3, 64, generator=gen).to(dtype)
     x1, x2 = x.float().chunk(2, dim=-1)
     expected = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(dtype)
-    table = RopeTable(torch.cat((cos, cos), dim=-1), torch.cat((-sin, sin), dim=-1))
+    table = RopeTable(torch.cat((cos, cos), dim=-1), torch.cat((-sin, sin), dim=-1), torch.arange(9), torch.empty(0))
     assert torch.equal(table.apply(x, x)[0], expected)
+
+
+def test_fused_rope_rotates_strided_q_and_k_in_place(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """FlashInferOps.rope hands q and k (strided views of the qkv output) to the one kernel, with
+    [cos | sin] of every position; check() keeps it when it agrees with RopeTable.apply, and
+    falls back to torch's rope when the kernel rotates another layout."""
+    from common.model.config import ModelConfig
+    from common.model.rope import RotaryEmbedding
+
+    ops = fused_ops("cpu", monkeypatch)
+    assert isinstance(ops, FlashInferOps)
+    build_tiny_checkpoint(tmp_path, "llama")
+    config = ModelConfig.from_pretrained(str(tmp_path))
+    rope, d = RotaryEmbedding(config, "cpu"), config.head_dim
+    ops.check(rope, 4, 2, torch.device("cpu"), torch.bfloat16)
+    assert ops.fused_rope
+    g = torch.Generator().manual_seed(1)
+    qkv = torch.randn(5, 8 * d, generator=g).to(torch.bfloat16)
+    q, k, _ = qkv.split([4 * d, 2 * d, 2 * d], dim=-1)
+    q, k = q.reshape(5, 4, d), k.reshape(5, 2, d)
+    table = rope.table(torch.tensor([0, 3, 4, 9, 30]))
+    want_q, want_k = TorchOps().rope(q, k, table)
+    got_q, got_k = ops.rope(q, k, table)
+    assert got_q.data_ptr() == qkv.data_ptr()  # in place, in the qkv output
+    torch.testing.assert_close(got_q, want_q, rtol=2e-2, atol=6e-2)
+    torch.testing.assert_close(got_k, want_k, rtol=2e-2, atol=6e-2)
+
+    interleaved = flashinfer_reference.apply_rope_with_cos_sin_cache_inplace
+    monkeypatch.setattr(flashinfer_reference, "apply_rope_with_cos_sin_cache_inplace",
+                        lambda *a, **kw: interleaved(*a, **{**kw, "is_neox": False}))
+    ops.check(rope, 4, 2, torch.device("cpu"), torch.bfloat16)
+    assert not ops.fused_rope
