@@ -2,7 +2,8 @@
 
     python bench/gpu_checks.py syncs MODEL              host syncs inside ModelRunner.forward over
                                                         100 decode steps (flashinfer, batch 32)
-    python bench/gpu_checks.py overlap MODEL            the engine's overlap loop (worker stream, CUDA
+    python bench/gpu_checks.py overlap MODEL            the engine's overlap loop (one thread: launch
+                                                        N+1, then collect N; worker stream, CUDA
                                                         graphs), 32 requests decoding: host syncs,
                                                         kernels and kernel launches per decode step,
                                                         and the GPU's idle fraction
@@ -11,8 +12,8 @@
     python bench/gpu_checks.py parity URL REF           the same prompts through a router: equal ids?
 
 Syncs are counted with torch.cuda.set_sync_debug_mode("warn"): in `syncs` around the forward
-only (the batch is built outside the window); in `overlap` around whole engine steps (both
-threads; budget: 1 per step, the tokens to stream). Kernels and idle time come from
+only (the batch is built outside the window); in `overlap` around whole engine steps (budget:
+1 per step, the wait on the previous step's tokens). Kernels and idle time come from
 torch.profiler over a window of decode-only steps: idle = 1 - (union of kernel intervals) /
 (the window's span).
 """

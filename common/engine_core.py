@@ -131,9 +131,10 @@ def make_executor(
     """SyncExecutor (normal loop), or the overlap loop on one thread or two (worker_thread)."""
     if not args.overlap_schedule:
         return SyncExecutor(worker)
+    start = on_device_thread(device, on_thread_start)
     if worker_thread(args, device):
-        return ThreadExecutor(worker, on_thread_start=on_device_thread(device, on_thread_start))
-    return LaunchExecutor(worker, on_thread_start=on_thread_start)
+        return ThreadExecutor(worker, on_thread_start=start)
+    return LaunchExecutor(worker, on_thread_start=start)
 
 
 def scheduler_config(args: ServerArgs, context_length: int) -> SchedulerConfig:

@@ -53,12 +53,15 @@ class BatchBuilder:
         sampling: list[SamplingRow] = []
         for req, n, samples, fi in zip(reqs, extend_lens, samples_token, future_indices, strict=True):
             start = req.kv_len - n
-            known = req.fill_ids
+            prompt, out = req.origin_input_ids, req.output_ids  # not fill_ids: no copy per step
+            num_prompt, num_known = len(prompt), len(prompt) + len(out)
             for pos in range(start, start + n):
-                if pos < len(known):
-                    input_ids.append(known[pos])
+                if pos < num_prompt:
+                    input_ids.append(prompt[pos])
+                elif pos < num_known:
+                    input_ids.append(out[pos - num_prompt])
                 else:
-                    assert pos == len(known) and req.last_future is not None, f"token {pos} unknown: {req}"
+                    assert pos == num_known and req.last_future is not None, f"token {pos} unknown: {req}"
                     input_ids.append(placeholder(req.last_future))
             positions.extend(range(start, start + n))
             out_loc.extend(req.kv_slots[start : start + n])

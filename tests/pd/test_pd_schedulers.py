@@ -12,11 +12,12 @@ import pytest
 from common.cache import PageAllocator, RadixCache, ReqToTokenPool
 from common.sampling_params import SamplingParams
 from common.scheduler.config import SchedulerConfig
-from common.scheduler.executor import SyncExecutor
+from common.scheduler.executor import Executor, LaunchExecutor, SyncExecutor
 from common.scheduler.fake_worker import FakeModelWorker, reference_generate
 from common.scheduler.kv_manager import ReqKVManager
 from common.scheduler.messages import BootstrapInfo, TokenOut
 from common.scheduler.req import Req
+from common.scheduler.sim_device import SimulatedDeviceWorker
 from decode_server.scheduler import DecodeScheduler
 from kv_transfer import AuxSlotAllocator, FailureCause, KVPoll
 from prefill_server.scheduler import PrefillScheduler
@@ -86,12 +87,16 @@ def make_prefill(num_pages: int = 128, **cfg: object) -> Role:
     return role
 
 
-def make_decode(num_pages: int = 128, overlap: bool = True, reserved: int = 8, radix: bool = False,
+def make_decode(num_pages: int = 128, overlap: bool | str = True, reserved: int = 8, radix: bool = False,
                 local_prefill_max_tokens: int = 64, **cfg: object) -> Role:
-    config, kv, worker = _parts(num_pages, overlap=overlap, decode=True, radix=radix, **cfg)
+    config, kv, worker = _parts(num_pages, overlap=bool(overlap), decode=True, radix=radix, **cfg)
     role = Role(None, worker, FakeKVManager(worker=worker, page_size=PS))  # type: ignore[arg-type]
+    # overlap="device": the one-thread overlap loop over a simulated device (steps run after launch)
+    executor: Executor = SyncExecutor(worker)
+    if overlap == "device":
+        executor = LaunchExecutor(SimulatedDeviceWorker(worker, host_s=0.0, device_s=0.0))
     role.scheduler = DecodeScheduler(
-        config, SyncExecutor(worker), kv, future_capacity=128, output=role.collect, transfer=role.transfer,  # type: ignore[arg-type]
+        config, executor, kv, future_capacity=128, output=role.collect, transfer=role.transfer,  # type: ignore[arg-type]
         aux_slots=AuxSlotAllocator(32), kv_pool=FakeWorkerKVPool(worker), num_reserved_decode_tokens=reserved,  # type: ignore[arg-type]
         local_prefill_max_tokens=local_prefill_max_tokens,
     )
@@ -203,7 +208,7 @@ def test_prefill_client_abort_aborts_the_sender() -> None:
 # ---- decode -------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("overlap", [True, False])
+@pytest.mark.parametrize("overlap", [True, False, "device"])
 def test_decode_prebuilt_request_decodes_exactly(overlap: bool) -> None:
     d = make_decode(overlap=overlap)
     prompts = {f"r{i}": prompt_of(5 + 7 * i, seed=i) for i in range(4)}
@@ -275,7 +280,7 @@ def test_decode_client_abort_while_transferring_aborts_the_receiver() -> None:
     d.scheduler.kv.check_integrity()
 
 
-@pytest.mark.parametrize("overlap", [True, False])
+@pytest.mark.parametrize("overlap", [True, False, "device"])
 def test_decode_retracts_to_a_host_copy_and_restores_exactly(overlap: bool) -> None:
     # 16 usable pages = 64 tokens; three requests of 12 prompt + 40 output tokens cannot all fit.
     d = make_decode(num_pages=17, overlap=overlap, reserved=1)
@@ -325,7 +330,7 @@ def test_prefill_refuses_a_skip_that_does_not_add_up() -> None:
     p.scheduler.kv.check_integrity()
 
 
-@pytest.mark.parametrize("overlap", [True, False])
+@pytest.mark.parametrize("overlap", [True, False, "device"])
 def test_decode_prefix_cache_serves_a_second_turn_with_only_its_new_pages(overlap: bool) -> None:
     d = make_decode(overlap=overlap, radix=True)
     turn1 = prompt_of(22)
@@ -348,7 +353,7 @@ def test_decode_prefix_cache_serves_a_second_turn_with_only_its_new_pages(overla
     d.scheduler.kv.check_integrity()
 
 
-@pytest.mark.parametrize("overlap", [True, False])
+@pytest.mark.parametrize("overlap", [True, False, "device"])
 def test_decode_caches_a_finished_turn_before_its_last_tokens_leave(overlap: bool) -> None:
     """The client's next turn can follow the last token at once: by then the finished request's
     pages must be in the tree (and so in the KV events that go out before the tokens), even
@@ -371,7 +376,7 @@ def test_decode_caches_a_finished_turn_before_its_last_tokens_leave(overlap: boo
     d.scheduler.kv.check_integrity()
 
 
-@pytest.mark.parametrize("overlap", [True, False])
+@pytest.mark.parametrize("overlap", [True, False, "device"])
 def test_decode_twin_turns_finishing_together_leave_no_stale_row_writes(overlap: bool) -> None:
     """Two identical conversations finish in one step: the second one's insert finds the first's
     pages in the tree and queues a row rewrite; its row is freed before that write is applied,
@@ -420,7 +425,7 @@ def test_decode_prefix_cache_evicts_under_pressure_and_stays_exact() -> None:
 # ---- local prefill on decode (a request without bootstrap info) ----------------------------------
 
 
-@pytest.mark.parametrize("overlap", [True, False])
+@pytest.mark.parametrize("overlap", [True, False, "device"])
 def test_decode_prefills_a_short_suffix_itself_from_its_prefix_cache(overlap: bool) -> None:
     d = make_decode(overlap=overlap, radix=True)
     turn1 = prompt_of(26)
