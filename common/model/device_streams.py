@@ -70,10 +70,11 @@ class HostCopy(Protocol):
 
 
 class ReadyCopy:
-    """CPU: the tensors already are in host memory; wait() only converts them."""
+    """CPU: the tensors already are in host memory; a snapshot now (a later launch may reuse
+    their storage before this step is collected), converted to lists by wait()."""
 
     def __init__(self, tensors: Sequence[torch.Tensor]) -> None:
-        self.tensors = list(tensors)
+        self.tensors = [t.detach().clone() for t in tensors]
 
     def wait(self) -> list[list]:  # type: ignore[type-arg]
         return [t.tolist() for t in self.tensors]
