@@ -81,10 +81,13 @@ def test_flashinfer_graph_wrappers_match_the_torch_backend(monkeypatch: pytest.M
     assert set(planned) >= {8, 4, 1}, planned  # 6 rows -> 8, 5 -> 8, 3 -> 4, 1 -> 1
 
 
-@pytest.mark.parametrize("overlap", [False, True])
-def test_engine_greedy_parity_with_bucketed_decode(tiny_llama_path: str, overlap: bool) -> None:
+@pytest.mark.parametrize("overlap", [False, True, "one-thread"])
+def test_engine_greedy_parity_with_bucketed_decode(tiny_llama_path: str, overlap: bool | str) -> None:
+    """"one-thread": step N+1 replays the bucket's step (overwriting its static logits) before
+    step N's tokens are collected, as on CUDA."""
     engine = Engine(tiny_llama_path, dtype="float32", page_size=4, chunked_prefill_size=32, max_total_tokens=4096,
-                    max_running_requests=8, disable_overlap_schedule=not overlap, enable_cpu_overlap_schedule=overlap)
+                    max_running_requests=8, disable_overlap_schedule=not overlap,
+                    enable_cpu_overlap_schedule=bool(overlap), overlap_worker_thread="off" if overlap == "one-thread" else "auto")
     try:
         engine.core.runner.enable_decode_graphs(8, EagerCapture())
         rng = random.Random(3)
