@@ -14,8 +14,9 @@ import torch
 from common.model.forward_batch import ForwardBatch
 from common.model.model_runner import ModelRunner
 from common.model.sampler import Sampler, SamplingBatchInfo
+from common.sampling_params import SamplingParams
 from common.scheduler import step_fault
-from common.scheduler.executor import LaunchedStep, PromptLogprobs, StepResult, WorkerBatch
+from common.scheduler.executor import LaunchedStep, PromptLogprobs, SamplingRow, StepResult, WorkerBatch
 
 
 class TorchModelWorker:
@@ -26,6 +27,8 @@ class TorchModelWorker:
         self.streams = runner.streams
         self.req_to_token = runner.req_to_token
         self.future_tokens = torch.zeros(future_capacity, dtype=torch.int64, device=self.device)
+        self._info: SamplingBatchInfo | None = None
+        self._info_key: tuple[list[SamplingParams], list[int], list[bool], list[int]] | None = None
 
     @property
     def future_capacity(self) -> int:
@@ -96,15 +99,7 @@ class TorchModelWorker:
         rows = [batch.sampling[i] for i in keep]
         everyone = len(keep) == n
         index, future = self.streams.stage([keep, [batch.future_indices[i] for i in keep]], torch.int64)
-        info = SamplingBatchInfo.from_params(
-            [s.params for s in rows],
-            [s.row for s in rows],
-            vocab_size=self.runner.vocab_size,
-            device=self.device,
-            return_logprob=any(s.return_logprob for s in rows),
-            top_logprobs_nums=[s.top_logprobs_num for s in rows],
-            streams=self.streams,
-        )
+        info = self._sampling_info(rows)
         out = self.sampler.sample(logits if everyone else logits[index], info)
         self.runner.tp.broadcast_(out.next_token_ids)  # TP: every rank feeds rank 0's tokens back
         self.future_tokens[future] = out.next_token_ids
@@ -118,6 +113,21 @@ class TorchModelWorker:
         step.has_top = out.top_logprobs is not None
         step.launch_seconds = time.perf_counter() - start
         return step
+
+    def _sampling_info(self, rows: list[SamplingRow]) -> SamplingBatchInfo:
+        """The batch's sampling tensors; the previous step's when its rows and params are the same
+        (steady decode): no staging, no host -> device copies. The sampler only reads them."""
+        key = ([s.params for s in rows], [s.row for s in rows], [s.return_logprob for s in rows],
+               [s.top_logprobs_num for s in rows])
+        if self._info_key == key and self._info is not None:
+            return self._info
+        params, row_ids, want_logprob, nums = key
+        self._info = SamplingBatchInfo.from_params(
+            params, row_ids, vocab_size=self.runner.vocab_size, device=self.device, return_logprob=any(want_logprob),
+            top_logprobs_nums=nums, streams=self.streams,
+        )
+        self._info_key = key
+        return self._info
 
     def collect(self, step: LaunchedStep) -> StepResult:
         """Wait for a launched step's tokens (its one host sync) and build its StepResult."""

@@ -44,3 +44,24 @@ def test_overlap_loop_takes_the_longer_of_host_and_device(host_ms: int, device_m
 
 def test_host_cost_per_step_with_a_zero_cost_forward_is_measured() -> None:
     assert 0 < host_ms_per_step(1, steps=5) < 1000
+
+
+def test_sampling_tensors_are_reused_only_while_the_batch_is_unchanged() -> None:
+    """TorchModelWorker stages a batch's sampling tensors once for a run of equal steps."""
+    import torch
+    from overlap_sim import ZeroCostRunner
+
+    from common.model.sampler import Sampler
+    from common.sampling_params import SamplingParams
+    from common.scheduler.executor import SamplingRow
+    from common.scheduler.model_worker import TorchModelWorker
+
+    worker = TorchModelWorker(ZeroCostRunner(64, 4, torch.zeros(4, 8, dtype=torch.int64)),  # type: ignore[arg-type]
+                              Sampler(64, 4), future_capacity=8)
+    greedy, hot = SamplingParams(temperature=0.0), SamplingParams(temperature=0.7)
+    first = worker._sampling_info([SamplingRow(greedy, 0, 0), SamplingRow(greedy, 1, 0)])
+    assert worker._sampling_info([SamplingRow(greedy, 0, 1), SamplingRow(greedy, 1, 1)]) is first
+    changed = worker._sampling_info([SamplingRow(hot, 0, 2), SamplingRow(greedy, 1, 2)])
+    assert changed is not first and not changed.is_all_greedy
+    fewer = worker._sampling_info([SamplingRow(greedy, 1, 3)])
+    assert fewer.rows_cpu == [1] and fewer.is_all_greedy
