@@ -180,19 +180,19 @@ class LaunchedHandle(Generic[L]):
 class LaunchExecutor(Generic[L]):
     """The overlap loop on one thread: submit() launches, result() collects. The scheduler
     submits step N+1 before it reads step N's result, so N+1 is queued on the device while N
-    runs. on_thread_start (the worker's device and stream) runs on the first submit's thread."""
+    runs. on_thread_start (the worker's device and stream) runs once on each thread that submits
+    (one at a time: the scheduler is not thread-safe)."""
 
     def __init__(self, worker: SplitWorker[L], *, on_thread_start: Callable[[], None] | None = None) -> None:
         self.worker = worker
         self._on_start = on_thread_start
-        self._thread: int | None = None
+        self._threads: set[int] = set()
 
     def submit(self, batch: WorkerBatch) -> StepHandle:
-        if self._thread is None:
-            self._thread = threading.get_ident()
+        if threading.get_ident() not in self._threads:
+            self._threads.add(threading.get_ident())
             if self._on_start is not None:
                 self._on_start()
-        assert self._thread == threading.get_ident(), "LaunchExecutor used from two threads"
         try:
             launched = self.worker.launch(batch)
         except BaseException as e:  # surfaced by result(), as the other executors do

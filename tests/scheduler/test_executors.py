@@ -61,21 +61,15 @@ def test_a_failed_launch_reaches_result_and_the_next_step_runs() -> None:
     assert ex.submit(batch(14)).result().next_token_ids == [14]
 
 
-def test_submit_from_a_second_thread_is_refused() -> None:
-    ex = LaunchExecutor(RecordingWorker())
-    ex.submit(batch(1))
-    errors: list[BaseException] = []
-
-    def other() -> None:
-        try:
-            ex.submit(batch(2))
-        except AssertionError as e:
-            errors.append(e)
-
-    t = threading.Thread(target=other)
+def test_each_submitting_thread_gets_the_device_and_stream_once() -> None:
+    started: list[int] = []
+    ex = LaunchExecutor(RecordingWorker(), on_thread_start=lambda: started.append(threading.get_ident()))
+    ex.submit(batch(1)).result()
+    ex.submit(batch(2)).result()
+    t = threading.Thread(target=lambda: ex.submit(batch(3)).result())
     t.start()
     t.join()
-    assert errors
+    assert started[0] == threading.get_ident() and len(started) == 2 and started[1] != started[0]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
