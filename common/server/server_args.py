@@ -213,8 +213,9 @@ class ServerArgs:
 
     @property
     def overlap_schedule(self) -> bool:
-        """The overlap loop (the default on every device) runs the forward in a second thread.
-        On CUDA that thread only launches kernels; on CPU it computes, and there it ran 1.5x
+        """The overlap loop (the default on every device) launches step N+1 before it waits on
+        step N: on CUDA from one thread (--overlap-worker-thread), on CPU with the forward in a
+        second thread, since launching there is computing. On CPU that thread ran 1.5x
         slower than the normal loop until its OpenMP pool became the process's only one
         (common/model/intra_op.py); since then it is 1.03x the normal loop on a quiet 2-core box
         (bench/engine.py). --disable-overlap-schedule runs the normal loop."""
