@@ -26,7 +26,7 @@ import pytest
 import torch
 
 from common.model.testing import build_tiny_checkpoint
-from tests.harness.process import reap_all
+from tests.harness.process import START_COUNTS, reap_all
 
 # One intra-op thread in this process and (through the environment) in every process a test
 # starts. The suite runs several processes per core (xdist workers, instances, TP ranks); an
@@ -81,6 +81,13 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     reap_all()  # a process no fixture stopped (its test failed half-way) does not outlive the run
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    """Processes started, by kind (without xdist; launch/test.sh sums its workers' start logs)."""
+    if START_COUNTS:
+        terminalreporter.write_line("process starts: " + ", ".join(
+            f"{k} {n}" for k, n in sorted(START_COUNTS.items(), key=lambda kv: -kv[1])))
 
 
 @pytest.fixture(scope="session")
