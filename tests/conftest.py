@@ -12,6 +12,7 @@ Stable names, used across test packages:
     tiny_checkpoint(arch, **overrides) -> str   factory, arch in llama | qwen2 | qwen3 | mistral;
                                        overrides of build_tiny_checkpoint (num_kv_heads=4, ...)
     tiny_llama_path, tiny_qwen2_path, tiny_qwen3_path, tiny_mistral_path -> str
+    tiny_cluster -> tests.compat.cluster.Cluster   router + 1P1D + colocated on tiny llama, shared
     default_model_path -> str          SmolLM2-135M-Instruct converted into the user cache
                                        (converted once per machine, ~12 s the first time)
 """
@@ -19,8 +20,9 @@ Stable names, used across test packages:
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -123,6 +125,17 @@ def tiny_qwen3_path(tiny_checkpoint: Callable[[str], str]) -> str:
 @pytest.fixture(scope="session")
 def tiny_mistral_path(tiny_checkpoint: Callable[[str], str]) -> str:
     return tiny_checkpoint("mistral")
+
+
+@pytest.fixture(scope="session")
+def tiny_cluster(tiny_llama_path: str) -> Iterator[Any]:
+    """1P1D behind a router plus a colocated instance, tiny llama, float32, default flags
+    (tests/compat/cluster.py), shared by the modules that only send requests to it. Each such
+    module keeps its requests to itself and checks the cluster whole when done."""
+    from tests.compat.cluster import running_cluster
+
+    with running_cluster(Path(tiny_llama_path)) as c:
+        yield c
 
 
 @pytest.fixture(scope="session")
