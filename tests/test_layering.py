@@ -82,3 +82,15 @@ def test_an_instance_frontend_imports_no_torch_nor_transformers(tiny_llama_path:
             f"t = load_tokenizer(ServerArgs(model_path={tiny_llama_path!r}).resolved()); "
             "t.decode(t.encode('hi')); t.apply_chat_template([{'role': 'user', 'content': 'hi'}], tokenize=False)")
     assert _heavy_imports(code) == []
+
+
+@pytest.mark.parametrize("module", ["router", "prefill_server", "decode_server", "common.server"])
+def test_role_help_imports_no_torch_nor_transformers(module: str) -> None:
+    """`python -X importtime -m ROLE --help`, as an operator would profile it."""
+    out = subprocess.run([sys.executable, "-X", "importtime", "-m", module, "--help"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "--model-path" in out.stdout
+    imported = {line.rsplit("|", 1)[1].strip() for line in out.stderr.splitlines() if line.startswith("import time:")}
+    assert len(imported) > 50, out.stderr[-2000:]  # the profile was read
+    assert not {m for m in imported if m.split(".")[0] in HEAVY}, sorted(m for m in imported if m.split(".")[0] in HEAVY)
