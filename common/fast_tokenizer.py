@@ -125,11 +125,14 @@ class FastTokenizer:
         return named
 
     def _add_config_tokens(self, config: dict[str, Any], specials: list[str | dict[str, Any]]) -> None:
-        present = {t.content for t in self._tok.get_added_tokens_decoder().values()}
+        """As transformers: config tokens that differ from the backend's (new, or other flags), then
+        special tokens it lacks; adding an existing content again updates its flags."""
+        added = self._tok.get_added_tokens_decoder().values()
+        existing = {repr(t) for t in added}
         decoder = config.get("added_tokens_decoder") or {}
-        new = [_added_token(v, special=bool(v.get("special", False)))
-               for _, v in sorted(decoder.items(), key=lambda kv: int(kv[0])) if v["content"] not in present]
-        seen = present | {t.content for t in new}
+        new = [tok for _, v in sorted(decoder.items(), key=lambda kv: int(kv[0]))
+               if repr(tok := _added_token(v, special=bool(v.get("special", False)))) not in existing]
+        seen = {t.content for t in added} | {t.content for t in new}
         for value in specials:
             if _content(value) not in seen:
                 new.append(_added_token(value, special=True))

@@ -25,7 +25,8 @@ from common.model.testing import ARCHS
 from common.tokenizer_loading import load_tokenizer, load_with_transformers
 
 TEXTS = ["Hello world", "", " leading space", "The capital of France is Paris.\n\nKV cache pages.",
-         "<|im_start|>user\nhi<|im_end|>", "a<|endoftext|>b <|im_end|> c", "Un deux, naïve café, 東京 🙂 ok",
+         "<|im_start|>user\nhi<|im_end|>", "a <|im_start|> b\n<|im_start|>\nc", "a<|endoftext|>b <|im_end|> c",
+         "Un deux, naïve café, 東京 🙂 ok",
          "tabs\tand  double  spaces ", "don't , isn't . what ? yes !"]
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather in a city <b>now</b>",
@@ -162,6 +163,9 @@ VARIANTS: dict[str, tuple[dict[str, Any], str | None]] = {
     "template in the config": ({"bos_token": "<|endoftext|>", "add_bos_token": True,
                                           "clean_up_tokenization_spaces": True,
                                           "chat_template": TOOL_TEMPLATE.replace("You are helpful.", "Config.")}, None),
+    "an existing token's flags changed": ({"eos_token": "<|im_end|>", "added_tokens_decoder": {
+        "1": {"content": "<|im_start|>", "special": False, "lstrip": True, "rstrip": True, "normalized": False,
+              "single_word": False}}}, TOOL_TEMPLATE),
     "named templates": ({"eos_token": "<|im_end|>", "chat_template": [
         {"name": "default", "template": "{% for m in messages %}[{{ m.role }}]{{ m.content }}{% endfor %}"},
         {"name": "tool_use", "template": TOOL_TEMPLATE}]}, None),
