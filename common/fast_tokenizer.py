@@ -9,6 +9,7 @@ builds from tokenizer.json and tokenizer_config.json:
 - tokenizer.json's post-processor decides which special tokens encode() adds (transformers drops
   the config's add_bos_token / add_eos_token when tokenizer.json exists);
 - clean_up_tokenization_spaces applies to non-BPE models only, as in transformers;
+- truncation and padding saved in tokenizer.json are off (transformers' encode() turns them off);
 - the chat template comes from chat_template.jinja and additional_chat_templates/*.jinja
   before tokenizer_config.json's `chat_template`.
 Checkpoints it cannot promise to match (another tokenizer class, no tokenizer.json) stay
@@ -80,6 +81,10 @@ class FastTokenizer:
     def __init__(self, backend: Tokenizer, config: dict[str, Any], chat_template: str | dict[str, str] | None,
                  name_or_path: str = "") -> None:
         self._tok = backend
+        # transformers' encode() turns off the truncation and padding a tokenizer.json may carry
+        backend.no_truncation()
+        backend.no_padding()
+        backend.encode_special_tokens = False  # split_special_tokens (refused in load) would set it
         self.name_or_path = name_or_path
         self.model_max_length = int(config.get("model_max_length") or config.get("max_len") or VERY_LARGE_INTEGER)
         named = self._named_special_tokens(config)

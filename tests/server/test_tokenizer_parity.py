@@ -178,6 +178,18 @@ def test_config_variants_match_transformers(tiny_llama_path: str, tmp_path: Path
     _assert_same(*_pair(_variant(tiny_llama_path, tmp_path, config, template)))
 
 
+def test_truncation_and_padding_saved_in_tokenizer_json_stay_off(tiny_llama_path: str, tmp_path: Path) -> None:
+    backend = Tokenizer.from_file(str(Path(tiny_llama_path) / "tokenizer.json"))
+    backend.enable_truncation(max_length=4)
+    backend.enable_padding(length=40, pad_id=0, pad_token="<|endoftext|>")
+    backend.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "TokenizersBackend", "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"}))
+    fast, ref = _pair(str(tmp_path))
+    _assert_same(fast, ref)
+    assert len(fast.encode("The quick brown fox jumps")) == len(ref.encode("The quick brown fox jumps")) > 4
+
+
 def test_cleanup_spaces_apply_to_wordlevel_models(tmp_path: Path) -> None:
     words = ["[UNK]", "[CLS]", "don", "'", "t", ",", "isn", ".", "what", "?", "yes", "!", "hello", "world"]
     tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
