@@ -30,6 +30,9 @@ SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_
 VERY_LARGE_INTEGER = int(1e30)  # transformers' model_max_length when the config names none
 CHAT_TEMPLATE_FILE = "chat_template.jinja"
 CHAT_TEMPLATE_DIR = "additional_chat_templates"
+# transformers' apply_chat_template options this renderer does not implement (refused, never ignored)
+UNSUPPORTED_CHAT_KWARGS = frozenset({"continue_final_message", "return_assistant_tokens_mask", "chat_template",
+                                     "sanitize_control_tokens", "return_dict", "tokenizer_kwargs"})
 
 
 class UnsupportedTokenizer(Exception):
@@ -145,6 +148,10 @@ class FastTokenizer:
         if new:
             self._tok.add_tokens(new)
 
+    @property
+    def added_tokens_decoder(self) -> dict[int, AddedToken]:
+        return dict(self._tok.get_added_tokens_decoder())
+
     def __len__(self) -> int:
         return int(self._tok.get_vocab_size(with_added_tokens=True))
 
@@ -184,6 +191,9 @@ class FastTokenizer:
                             add_generation_prompt: bool = False, tools: list[dict[str, Any]] | None = None,
                             **kwargs: Any) -> str | list[int]:
         """As transformers': the rendered text, or its ids encoded without adding special tokens."""
+        unsupported = UNSUPPORTED_CHAT_KWARGS.intersection(k for k, v in kwargs.items() if v)
+        if unsupported:
+            raise NotImplementedError(f"apply_chat_template({', '.join(sorted(unsupported))}) needs transformers")
         if self._template is None:
             raise ChatTemplateError("this tokenizer has no chat template")
         text = self._template.render(messages, add_generation_prompt=add_generation_prompt, tools=tools, **kwargs)

@@ -102,6 +102,8 @@ def _assert_same(fast: FastTokenizer, ref: Any, chats: list[list[dict[str, Any]]
             assert fast.encode(text, add_special_tokens=special) == ref.encode(text, add_special_tokens=special), text
     n = len(ref)
     assert len(fast) == n
+    assert {i: repr(t) for i, t in fast.added_tokens_decoder.items()} == {
+        i: repr(t) for i, t in ref.added_tokens_decoder.items()}
     ids = [*range(0, n, max(1, n // 2000)), *range(max(0, n - 40), n), *ref.all_special_ids]
     for skip in (True, False):
         assert fast.decode(ids, skip_special_tokens=skip) == ref.decode(ids, skip_special_tokens=skip)
@@ -152,7 +154,8 @@ VARIANTS: dict[str, tuple[dict[str, Any], str | None]] = {
     "tool template, add_bos/eos_token ignored": ({"bos_token": "<|endoftext|>", "eos_token": "<|im_end|>",
                                           "add_bos_token": True, "add_eos_token": True}, TOOL_TEMPLATE),
     "specials missing from the vocabulary": ({
-        "bos_token": "<s>", "eos_token": {"__type": "AddedToken", "content": "</s>", "lstrip": False, "rstrip": False, "normalized": False,
+        "bos_token": "<s>", "pad_token": {"__type": "AddedToken", "content": "<pad>", "lstrip": True},
+        "eos_token": {"__type": "AddedToken", "content": "</s>", "lstrip": False, "rstrip": False, "normalized": False,
                                           "single_word": False, "special": True},
         "mask_token": "<mask>", "image_token": "<img>", "extra_special_tokens": ["<x1>", "<x2>"],
         "added_tokens_decoder": {"400": {"content": "<tool>", "special": False, "lstrip": False, "rstrip": False,
@@ -217,6 +220,8 @@ def test_raise_exception_and_sandbox_refusals(tiny_llama_path: str, tmp_path: Pa
         load_tokenizer(str(tmp_path)).apply_chat_template(CHATS[0], tokenize=False)
     with pytest.raises(ChatTemplateError, match="empty conversation"):
         fast.apply_chat_template([], tokenize=False)
+    with pytest.raises(NotImplementedError, match="continue_final_message"):
+        fast.apply_chat_template(CHATS[0], tokenize=False, continue_final_message=True)
 
 
 def test_other_tokenizer_classes_stay_with_transformers(tiny_llama_path: str, tmp_path: Path) -> None:
