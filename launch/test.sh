@@ -19,10 +19,12 @@ if [ $# -gt 0 ]; then
   exec .venv/bin/python -m pytest -q -x "$@"
 fi
 tier() {
-  local start=$SECONDS
+  local start=$SECONDS starts
+  starts=$(mktemp)
   echo "== tier: $1"
-  .venv/bin/python -m pytest -q -x --durations=15 -m "$@"
-  echo "== tier $1: $((SECONDS - start)) s"
+  PDSERVE_TEST_START_LOG=$starts .venv/bin/python -m pytest -q -x --durations=15 -m "$@"
+  echo "== tier $1: $((SECONDS - start)) s; process starts by kind:" $(cut -f1 "$starts" | sort | uniq -c | sort -rn)
+  rm -f "$starts"
 }
 # Two workers, whole files each (module-scoped fixtures stay in one process): a serial tier
 # waits on process starts, sockets and compiles much of its time (unit 92 -> 49 s, proc 709 ->

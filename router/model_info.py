@@ -28,7 +28,7 @@ class ModelInfo:
     path: str
     context_length: int
     vocab_size: int
-    tokenizer: Any  # transformers PreTrainedTokenizerBase
+    tokenizer: Any  # FastTokenizer, or transformers' for tokenizer classes it does not cover
     max_prompt_chars: int = 0  # 0: 32 x context_length; longer prompts are refused before tokenizing
 
     @classmethod

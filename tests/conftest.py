@@ -12,6 +12,7 @@ Stable names, used across test packages:
     tiny_checkpoint(arch, **overrides) -> str   factory, arch in llama | qwen2 | qwen3 | mistral;
                                        overrides of build_tiny_checkpoint (num_kv_heads=4, ...)
     tiny_llama_path, tiny_qwen2_path, tiny_qwen3_path, tiny_mistral_path -> str
+    tiny_cluster -> tests.compat.cluster.Cluster   router + 1P1D + colocated on tiny llama, shared
     default_model_path -> str          SmolLM2-135M-Instruct converted into the user cache
                                        (converted once per machine, ~12 s the first time)
 """
@@ -19,14 +20,15 @@ Stable names, used across test packages:
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
 from common.model.testing import build_tiny_checkpoint
-from tests.harness.process import reap_all
+from tests.harness.process import START_COUNTS, reap_all
 
 # One intra-op thread in this process and (through the environment) in every process a test
 # starts. The suite runs several processes per core (xdist workers, instances, TP ranks); an
@@ -83,6 +85,13 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     reap_all()  # a process no fixture stopped (its test failed half-way) does not outlive the run
 
 
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    """Processes started, by kind (without xdist; launch/test.sh sums its workers' start logs)."""
+    if START_COUNTS:
+        terminalreporter.write_line("process starts: " + ", ".join(
+            f"{k} {n}" for k, n in sorted(START_COUNTS.items(), key=lambda kv: -kv[1])))
+
+
 @pytest.fixture(scope="session")
 def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., str]:
     """make(arch, **overrides): overrides go to build_tiny_checkpoint (e.g. num_kv_heads=4)."""
@@ -116,6 +125,17 @@ def tiny_qwen3_path(tiny_checkpoint: Callable[[str], str]) -> str:
 @pytest.fixture(scope="session")
 def tiny_mistral_path(tiny_checkpoint: Callable[[str], str]) -> str:
     return tiny_checkpoint("mistral")
+
+
+@pytest.fixture(scope="session")
+def tiny_cluster(tiny_llama_path: str) -> Iterator[Any]:
+    """1P1D behind a router plus a colocated instance, tiny llama, float32, default flags
+    (tests/compat/cluster.py), shared by the modules that only send requests to it. Each such
+    module keeps its requests to itself and checks the cluster whole when done."""
+    from tests.compat.cluster import running_cluster
+
+    with running_cluster(Path(tiny_llama_path)) as c:
+        yield c
 
 
 @pytest.fixture(scope="session")

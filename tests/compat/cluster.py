@@ -1,5 +1,6 @@
 """One real 1P1D cluster behind the router, and one colocated instance, on the tiny model (float32):
-what the third-party clients of the compat tests run against (the fixture is in conftest.py)."""
+what the third-party clients of the compat tests and the router's PD-vs-colocated tests run
+against (one per session and xdist worker: the `tiny_cluster` fixture in tests/conftest.py)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tests.harness.process import stop_all
-from tests.pd.pd_procs import PDPair, RoleProcess, start_pair
+from tests.pd.pd_procs import PDPair, RoleProcess, start_pair, wait_until
 from tests.router.router_procs import RouterProc
 
 
@@ -19,6 +20,21 @@ class Cluster:
     pair: PDPair
     router: RouterProc
     colocated: RoleProcess
+    _colocated_router: RouterProc | None = None
+
+    def colocated_router(self) -> RouterProc:
+        """A router in front of the colocated instance, started on first use, stopped with the cluster."""
+        if self._colocated_router is None:
+            self._colocated_router = RouterProc(self.model, ["--worker", self.colocated.url])
+            self._colocated_router.wait_ready(timeout=60)
+        return self._colocated_router
+
+    def wait_whole(self) -> None:
+        """Every instance idle with all its KV pages back (a sharing module checks this when done)."""
+        self.pair.wait_whole()
+        assert wait_until(lambda: self.colocated.stat("kv_pages_in_use") == 0
+                          and self.colocated.stat("num_running_reqs") == 0, 20.0, period_s=0.2), \
+            self.colocated.log()[-2000:]
 
 
 @contextmanager
@@ -27,13 +43,16 @@ def running_cluster(model: Path) -> Iterator[Cluster]:
     colocated = RoleProcess("common.server", model, "--dtype", "float32")
     pair = None
     router = None
+    cluster = None
     try:
         pair = start_pair(model, [], [])
         colocated.wait_healthy()
         router = RouterProc(model, ["--prefill", pair.prefill.url, str(pair.prefill.bootstrap_port),
                                     "--decode", pair.decode.url])
         router.wait_ready(timeout=60)
-        yield Cluster(model, pair, router, colocated)
+        cluster = Cluster(model, pair, router, colocated)
+        yield cluster
     finally:
-        procs = [router, *((pair.prefill, pair.decode) if pair is not None else ()), colocated]
+        extra = cluster._colocated_router if cluster is not None else None
+        procs = [extra, router, *((pair.prefill, pair.decode) if pair is not None else ()), colocated]
         stop_all([p.child for p in procs if p is not None])

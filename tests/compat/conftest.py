@@ -1,16 +1,16 @@
-"""The compat tests' shared cluster (tests/compat/cluster.py), one per session."""
+"""The compat tests' cluster: the session's shared tiny cluster (tests/compat/cluster.py), checked
+whole after each module."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
-from tests.compat.cluster import Cluster, running_cluster
+from tests.compat.cluster import Cluster
 
 
-@pytest.fixture(scope="session")
-def cluster(tiny_llama_path: str) -> Iterator[Cluster]:
-    with running_cluster(Path(tiny_llama_path)) as c:
-        yield c
+@pytest.fixture(scope="module")
+def cluster(tiny_cluster: Cluster) -> Iterator[Cluster]:
+    yield tiny_cluster
+    tiny_cluster.wait_whole()

@@ -10,6 +10,9 @@
     reap_all()                   SIGKILL to every group still alive (end of the session)
     free_port()                  a port no other test process on this machine holds
     wait_until(cond, timeout_s)  the single polling helper (bool; callers assert with context)
+    start_kind(argv)             what a start is (router, prefill_server, stub-decode, ...): every
+                                 start is counted per kind and, with PDSERVE_TEST_START_LOG=FILE,
+                                 appended to FILE as `kind<TAB>test id` (how many clusters a file starts)
 
 The wrappers (tests/server/server_procs.py ServerProcess, tests/pd/pd_procs.py RoleProcess,
 tests/reliability/procs.py Instance, tests/router/router_procs.py Proc, ...) compose a
@@ -149,6 +152,31 @@ def _leftovers(pgid: int) -> list[int]:
     return out
 
 
+def start_kind(argv: list[str]) -> str:
+    """`python -m MODULE` -> MODULE; a stub worker -> stub-ROLE; anything else -> its program's name."""
+    if "-m" in argv[:-1]:
+        return argv[argv.index("-m") + 1]
+    if "--role" in argv[:-1] and "stub_worker" in " ".join(argv):
+        return "stub-" + argv[argv.index("--role") + 1]
+    code = argv[argv.index("-c") + 1] if "-c" in argv[:-1] else ""
+    for known in ("fake_engine", "stub_worker", "engine_process"):
+        if known in code:
+            return known
+    return Path(argv[0]).name if not code else "python -c"
+
+
+START_COUNTS: dict[str, int] = {}
+
+
+def _record_start(argv: list[str]) -> None:
+    kind = start_kind(argv)
+    START_COUNTS[kind] = START_COUNTS.get(kind, 0) + 1
+    if log := os.environ.get("PDSERVE_TEST_START_LOG"):
+        test = os.environ.get("PYTEST_CURRENT_TEST", "-").rsplit(" ", 1)[0]
+        with open(log, "a") as f:
+            f.write(f"{kind}\t{test}\n")
+
+
 def reap_all() -> None:
     """SIGKILL whatever a ChildProcess started and is still running (the session's last
     resort, called from tests/conftest.py)."""
@@ -189,6 +217,7 @@ class ChildProcess:
             self.log_file.write(f"\n==== start #{self.starts} ====\n".encode())
             self.log_file.flush()
         self.starts += 1
+        _record_start(self.argv)
         self.popen = subprocess.Popen(self.argv, cwd=self.cwd, env=self.env, stdout=self.log_file,
                                       stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=self.preexec_fn)
         _started.append(self)

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.router.router_procs import Cluster, RouterProc, StubWorker
+from tests.router.router_procs import Cluster, RouterProc, StubPool, StubWorker
 
 
 @pytest.fixture(scope="session")
@@ -15,17 +15,27 @@ def tiny_model(tiny_llama_path: str) -> Path:
     return Path(tiny_llama_path)
 
 
-def _cluster(model: Path) -> Iterator[Cluster]:
-    c = Cluster(model)
+def _cluster(model: Path, pool: StubPool | None = None) -> Iterator[Cluster]:
+    c = Cluster(model, pool)
     try:
         yield c
     finally:
         c.stop()
 
 
+@pytest.fixture(scope="session")
+def stub_pool() -> Iterator[StubPool]:
+    """Stub workers shared by the tests' clusters: each test gets them as started (restored)."""
+    pool = StubPool()
+    try:
+        yield pool
+    finally:
+        pool.stop()
+
+
 @pytest.fixture
-def cluster(tiny_model: Path) -> Iterator[Cluster]:
-    yield from _cluster(tiny_model)
+def cluster(tiny_model: Path, stub_pool: StubPool) -> Iterator[Cluster]:
+    yield from _cluster(tiny_model, stub_pool)
 
 
 @pytest.fixture(scope="session")

@@ -81,6 +81,7 @@ class Stats:
 
 def build_app(role: str, behavior: Behavior) -> FastAPI:
     app = FastAPI()
+    initial = dataclasses.replace(behavior)
     state = {"b": behavior, "s": Stats()}
 
     def err(status: int, message: str, type_: str = "internal_error") -> JSONResponse:
@@ -118,6 +119,12 @@ def build_app(role: str, behavior: Behavior) -> FastAPI:
     @app.post("/stub/reset")
     async def reset() -> dict[str, Any]:
         state["s"] = Stats()
+        return {}
+
+    @app.post("/stub/restore")
+    async def restore() -> dict[str, Any]:
+        """As started: the behavior it was given and fresh stats (a pooled stub's next test)."""
+        state["b"], state["s"] = dataclasses.replace(initial), Stats()
         return {}
 
     @app.post("/generate")

@@ -4,13 +4,12 @@ the same text through 1P1D as through the colocated instance."""
 from __future__ import annotations
 
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import openai
 import pytest
 
-from tests.pd.pd_procs import RoleProcess, start_pair
+from tests.compat.cluster import Cluster
 from tests.router.router_procs import RouterProc
 
 PROMPTS = ["The quick brown fox", "What is the capital of France?", "KV cache pages move", "Hello"]
@@ -18,27 +17,10 @@ MESSAGES = [[{"role": "user", "content": p}] for p in PROMPTS]
 
 
 @pytest.fixture(scope="module")
-def routers(tiny_llama_path: str) -> Iterator[tuple[RouterProc, RouterProc]]:
-    model = Path(tiny_llama_path)
-    flags = ["--page-size", "16", "--max-total-tokens", "8192"]
-    started: list[Any] = []
-    try:
-        pair = start_pair(model, [*flags, "--chunked-prefill-size", "32"], flags)
-        started.append(pair)
-        colocated = RoleProcess("common.server", model, "--dtype", "float32", *flags)
-        started.append(colocated)
-        colocated.wait_healthy()
-        pd_router = RouterProc(model, ["--prefill", pair.prefill.url, str(pair.prefill.bootstrap_port),
-                                       "--decode", pair.decode.url])
-        started.append(pd_router)
-        co_router = RouterProc(model, ["--worker", colocated.url])
-        started.append(co_router)
-        pd_router.wait_ready(timeout=60)
-        co_router.wait_ready(timeout=60)
-        yield pd_router, co_router
-    finally:
-        for proc in reversed(started):
-            proc.stop()
+def routers(tiny_cluster: Cluster) -> Iterator[tuple[RouterProc, RouterProc]]:
+    """The session's shared tiny cluster: its PD router and a router in front of its colocated instance."""
+    yield tiny_cluster.router, tiny_cluster.colocated_router()
+    tiny_cluster.wait_whole()
 
 
 def client(router: RouterProc) -> openai.OpenAI:
