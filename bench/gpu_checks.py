@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import time
 import warnings
@@ -35,6 +36,8 @@ from common.model.model_runner import ModelRunner
 PAGE = 16
 NUM_PROMPTS = 12
 MAX_NEW_TOKENS = 32
+# `reference` runs this backend (torch: a GPU run without flashinfer's JIT build)
+REFERENCE_BACKEND = os.environ.get("PDSERVE_ATTENTION_BACKEND", "flashinfer")
 
 
 def prompts(vocab: int) -> list[list[int]]:
@@ -141,7 +144,8 @@ def overlap_profile(model_path: str, rows: int = 32, prompt_len: int = 64, windo
 def reference(model_path: str, out: str) -> dict[str, float]:
     from common.engine import Engine
 
-    engine = Engine(model_path, device="cuda", attention_backend="flashinfer", dtype="bfloat16", max_total_tokens=65536)
+    engine = Engine(model_path, device="cuda", attention_backend=REFERENCE_BACKEND, dtype="bfloat16",
+                    max_total_tokens=65536)
     try:
         greedy = {"max_new_tokens": MAX_NEW_TOKENS, "temperature": 0, "ignore_eos": True}
         ps = prompts(engine.vocab_size)
