@@ -1,0 +1,186 @@
+"""A fake Kubernetes API server speaking real HTTP: kmock's KubernetesEmulator on 127.0.0.1, in a thread.
+
+    api = FakeKubeApi(); api.start()          LIST/WATCH/CREATE/PATCH/DELETE of pods over HTTP
+    api.put_pod(PodSpec(...))                 create (ADDED) or patch (MODIFIED) a pod
+    api.set_ready(name, False)                flip its Ready condition
+    api.delete_pod(name, finalizer=True)      with a finalizer: deletionTimestamp only (MODIFIED)
+    api.cut_watches("410" | "drop")           end every open WATCH: an ERROR 410 Gone event, or EOF
+    api.kubeconfig(path)                      a kubeconfig pointing at it (what --kubeconfig reads)
+
+The test drives pods through the API server's own HTTP endpoints (as a kubelet or controller
+would), so the router sees exactly what a real server would send it. The emulator ignores
+labelSelector: the router must match labels itself.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import kmock
+from kmock._internal import rendering
+
+NAMESPACE = "serving"
+
+
+class _Emulator(kmock.KubernetesEmulator):  # type: ignore[misc]
+    """The emulator, whose open watches a test can end (a dropped connection, a 410 Gone)."""
+
+    cut: asyncio.Event | None = None
+    cut_kind: str = "drop"
+
+    async def _serve_watch(self, request: rendering.Request) -> AsyncIterator[Any]:
+        cut = self.cut
+        assert cut is not None
+        inner = super()._serve_watch(request).__aiter__()
+        stop = asyncio.ensure_future(cut.wait())
+        nxt: asyncio.Future[Any] | None = None
+        try:
+            while True:
+                nxt = asyncio.ensure_future(inner.__anext__())
+                await asyncio.wait({nxt, stop}, return_when=asyncio.FIRST_COMPLETED)
+                if not nxt.done():
+                    break
+                try:
+                    item = nxt.result()
+                except StopAsyncIteration:
+                    return
+                yield item
+        finally:
+            for f in (nxt, stop):
+                if f is not None:
+                    f.cancel()
+        if self.cut_kind == "410":
+            yield {"type": "ERROR", "object": {"kind": "Status", "apiVersion": "v1", "status": "Failure",
+                                                "code": 410, "reason": "Expired",
+                                                "message": "too old resource version"}}
+
+
+@dataclass
+class PodSpec:
+    name: str
+    ip: str
+    labels: dict[str, str]
+    annotations: dict[str, str] = field(default_factory=dict)
+    ready: bool = True
+
+    def manifest(self) -> dict[str, Any]:
+        return {
+            "apiVersion": "v1", "kind": "Pod",
+            "metadata": {"name": self.name, "namespace": NAMESPACE, "labels": self.labels,
+                         "annotations": self.annotations, "resourceVersion": "1"},
+            "spec": {"containers": [{"name": "server", "image": "pdserve"}]},
+            "status": status(self.ip, self.ready),
+        }
+
+
+def status(ip: str, ready: bool) -> dict[str, Any]:
+    flag = "True" if ready else "False"
+    return {"phase": "Running", "podIP": ip,
+            "conditions": [{"type": "Initialized", "status": "True"}, {"type": "Ready", "status": flag},
+                           {"type": "ContainersReady", "status": flag}]}
+
+
+class FakeKubeApi:
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.url = ""
+        self._emulator: _Emulator | None = None
+        self._ready = threading.Event()
+        self._stop: asyncio.Event | None = None
+        self._thread = threading.Thread(target=self._main, name="fake-kube-api", daemon=True)
+        self.http: httpx.Client | None = None
+
+    def start(self) -> None:
+        self._thread.start()
+        assert self._ready.wait(30), "fake Kubernetes API did not start"
+        self.http = httpx.Client(base_url=self.url, timeout=10.0)
+        r = self.http.get(f"/api/v1/namespaces/{NAMESPACE}/pods")
+        assert r.status_code == 200, r.text
+
+    def _main(self) -> None:
+        self.loop.run_until_complete(self._serve())
+
+    async def _serve(self) -> None:
+        self._stop = asyncio.Event()
+        async with _Emulator() as emulator, kmock.Server(emulator) as server:
+            emulator.resources["v1/pods"] = kmock.ResourceInfo(namespaced=True, kind="Pod")
+            emulator.cut = asyncio.Event()
+            self._emulator = emulator
+            self.url = str(server.url).rstrip("/")
+            self._ready.set()
+            await self._stop.wait()
+
+    def stop(self) -> None:
+        if self.http is not None:
+            self.http.close()
+        if self._stop is not None:
+            self.loop.call_soon_threadsafe(self._stop.set)
+        self._thread.join(10)
+
+    # ---- pods, through the API's HTTP endpoints ---------------------------------------------------------
+    def _pod_path(self, name: str = "") -> str:
+        return f"/api/v1/namespaces/{NAMESPACE}/pods" + (f"/{name}" if name else "")
+
+    def put_pod(self, pod: PodSpec) -> None:
+        assert self.http is not None
+        r = self.http.post(self._pod_path(), json=pod.manifest())
+        if r.status_code == 409:
+            r = self.http.patch(self._pod_path(pod.name), json=pod.manifest())
+        assert r.status_code == 200, r.text
+
+    def patch(self, name: str, body: dict[str, Any]) -> None:
+        assert self.http is not None
+        r = self.http.patch(self._pod_path(name), json=body)
+        assert r.status_code == 200, r.text
+
+    def set_ready(self, name: str, ip: str, ready: bool) -> None:
+        self.patch(name, {"status": status(ip, ready)})
+
+    def delete_pod(self, name: str, *, finalizer: bool = False) -> None:
+        """finalizer: the pod stays, with a deletionTimestamp (a terminating pod); else it is gone."""
+        assert self.http is not None
+        if finalizer:
+            self.patch(name, {"metadata": {"finalizers": ["test/hold"]}})
+        r = self.http.delete(self._pod_path(name))
+        assert r.status_code == 200, r.text
+
+    def release(self, name: str) -> None:
+        """Drop the finalizer of a terminating pod: it disappears (DELETED)."""
+        self.patch(name, {"metadata": {"finalizers": []}})
+
+    def pods(self) -> list[dict[str, Any]]:
+        assert self.http is not None
+        return list(self.http.get(self._pod_path()).json()["items"])
+
+    def clear(self) -> None:
+        for pod in self.pods():
+            name = pod["metadata"]["name"]
+            if pod["metadata"].get("finalizers"):
+                self.release(name)
+            if any(p["metadata"]["name"] == name for p in self.pods()):
+                self.delete_pod(name)
+
+    def cut_watches(self, kind: str) -> None:
+        """End every open WATCH: "410" (an ERROR event, 410 Gone) or "drop" (the stream just ends)."""
+        def cut() -> None:
+            em = self._emulator
+            assert em is not None and em.cut is not None
+            em.cut_kind = kind
+            old, em.cut = em.cut, asyncio.Event()
+            old.set()
+        self.loop.call_soon_threadsafe(cut)
+
+    def kubeconfig(self, path: Path) -> Path:
+        path.write_text(
+            "apiVersion: v1\nkind: Config\ncurrent-context: fake\n"
+            f"clusters:\n- name: fake\n  cluster:\n    server: {self.url}\n"
+            "users:\n- name: router\n  user:\n    token: not-a-real-token\n"
+            "contexts:\n- name: fake\n  context:\n    cluster: fake\n    user: router\n"
+        )
+        return path
