@@ -5,6 +5,7 @@
     api.set_ready(name, False)                flip its Ready condition
     api.delete_pod(name, finalizer=True)      with a finalizer: deletionTimestamp only (MODIFIED)
     api.cut_watches("410" | "drop")           end every open WATCH: an ERROR 410 Gone event, or EOF
+    api.mute_watches() / api.fail_lists(n)    new watches deliver no event / the next n LISTs answer 500
     api.kubeconfig(path)                      a kubeconfig pointing at it (what --kubeconfig reads)
 
 The test drives pods through the API server's own HTTP endpoints (as a kubelet or controller
@@ -33,10 +34,24 @@ class _Emulator(kmock.KubernetesEmulator):  # type: ignore[misc]
 
     cut: asyncio.Event | None = None
     cut_kind: str = "drop"
+    muted: bool = False  # open watches deliver nothing (events a watch missed)
+    failing_lists: int = 0  # this many LISTs answer 500
+
+    async def _serve_list(self, request: rendering.Request) -> Any:
+        if self.failing_lists > 0:
+            self.failing_lists -= 1
+            raise kmock.KubernetesError(status=500, reason="InternalError", message="etcdserver: request timed out")
+        return await super()._serve_list(request)
 
     async def _serve_watch(self, request: rendering.Request) -> AsyncIterator[Any]:
         cut = self.cut
         assert cut is not None
+        if self.muted:
+            yield b""
+            await cut.wait()
+            if self.cut_kind == "410":
+                yield self.gone()
+            return
         inner = super()._serve_watch(request).__aiter__()
         stop = asyncio.ensure_future(cut.wait())
         nxt: asyncio.Future[Any] | None = None
@@ -56,9 +71,12 @@ class _Emulator(kmock.KubernetesEmulator):  # type: ignore[misc]
                 if f is not None:
                     f.cancel()
         if self.cut_kind == "410":
-            yield {"type": "ERROR", "object": {"kind": "Status", "apiVersion": "v1", "status": "Failure",
-                                                "code": 410, "reason": "Expired",
-                                                "message": "too old resource version"}}
+            yield self.gone()
+
+    @staticmethod
+    def gone() -> dict[str, Any]:
+        return {"type": "ERROR", "object": {"kind": "Status", "apiVersion": "v1", "status": "Failure", "code": 410,
+                                            "reason": "Expired", "message": "too old resource version"}}
 
 
 @dataclass
@@ -175,6 +193,19 @@ class FakeKubeApi:
             old, em.cut = em.cut, asyncio.Event()
             old.set()
         self.loop.call_soon_threadsafe(cut)
+
+    def mute_watches(self, muted: bool = True) -> None:
+        """Watches opened from now on deliver no event (until cut): only a re-LIST sees changes."""
+        def mute() -> None:
+            assert self._emulator is not None
+            self._emulator.muted = muted
+        self.loop.call_soon_threadsafe(mute)
+
+    def fail_lists(self, n: int) -> None:
+        def fail() -> None:
+            assert self._emulator is not None
+            self._emulator.failing_lists = n
+        self.loop.call_soon_threadsafe(fail)
 
     def kubeconfig(self, path: Path) -> Path:
         path.write_text(
