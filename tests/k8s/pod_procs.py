@@ -19,7 +19,7 @@ START_TIMEOUT_S = 120.0
 
 
 class PodProcess:
-    def __init__(self, name: str, role: str, ip: str, port: int, model_dir: str | Path) -> None:
+    def __init__(self, name: str, role: str, ip: str, port: int, model_dir: str | Path, *extra: str) -> None:
         self.name = name
         self.role = role
         self.ip = ip
@@ -28,7 +28,7 @@ class PodProcess:
         self.bootstrap_port = free_port() if role == "prefill" else None
         argv = [sys.executable, "-m", f"{role}_server", "--model-path", str(model_dir), "--host", ip,
                 "--port", str(port), "--device", "cpu", "--dtype", "float32", "--page-size", "4",
-                "--log-level", os.environ.get("PDSERVE_TEST_LOG_LEVEL", "warning")]
+                "--log-level", os.environ.get("PDSERVE_TEST_LOG_LEVEL", "warning"), *extra]
         if self.bootstrap_port is not None:
             argv += ["--disaggregation-bootstrap-port", str(self.bootstrap_port)]
         self.child = ChildProcess(argv, f"pod_{name}", start=False)

@@ -13,6 +13,8 @@ from typing import Any
 import kubernetes_validate
 import pytest
 
+pytest.importorskip("helm_python", reason="helm-python-sdk ships libhelm_c for linux x86_64 only")
+
 from common.server.http_server import INSTANCE_ROUTES
 from common.server.server_args import parse_server_args
 from router.app import ROUTER_ROUTES
