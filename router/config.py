@@ -196,6 +196,8 @@ class RouterConfig:
             return
         if self.selector and (self.prefill_selector or self.decode_selector or self.prefill or self.decode):
             raise ValueError("--selector (colocated) cannot be combined with prefill/decode workers or selectors")
+        if self.worker and not self.selector:
+            raise ValueError("--worker (colocated) with --service-discovery needs --selector, not prefill/decode ones")
         if not self.selector and not (self.prefill_selector and self.decode_selector):
             raise ValueError("--service-discovery needs --prefill-selector and --decode-selector (or --selector)")
         if not 0 < self.service_discovery_port < 65536 or self.service_discovery_resync <= 0:

@@ -34,6 +34,8 @@ from router.worker import Worker
 logger = logging.getLogger("router.discovery")
 BACKOFF_INITIAL_S = 0.5
 BACKOFF_MAX_S = 30.0
+WATCH_GRACE_S = 5.0
+LASTING_WATCH_S = 10.0  # a watch that lasted this long resets the backoff
 
 
 class WorkerRegistrar(Protocol):
@@ -95,7 +97,7 @@ class ServiceDiscovery:
             except (KubeApiError, httpx.HTTPError, OSError) as e:
                 reason = f"{type(e).__name__}: {e}"
             self.last_error = reason
-            if time.monotonic() - started > 10.0:
+            if time.monotonic() - started > LASTING_WATCH_S:
                 backoff = BACKOFF_INITIAL_S
             logger.warning("service discovery: %s; LIST + WATCH again in %.1f s (serving the %d discovered workers "
                            "known)", reason, backoff, len(self.pods))
@@ -116,7 +118,8 @@ class ServiceDiscovery:
 
     async def _watch(self, rv: str) -> None:
         self.watches += 1
-        async for kind, pod in self.client.watch_pods(self.namespace, rv, self.resync_s,
+        # the server's own end comes after our resync deadline: an earlier end is a dropped watch
+        async for kind, pod in self.client.watch_pods(self.namespace, rv, self.resync_s + WATCH_GRACE_S,
                                                      self.matcher.common_label_selector):
             if kind == "DELETED":
                 if pod.key in self.pods:

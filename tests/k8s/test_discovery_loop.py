@@ -185,11 +185,13 @@ def test_discovery_flags(tiny_llama_path: str) -> None:
     base = ["--model-path", tiny_llama_path]
     cfg = RouterConfig.from_args([*base, "--service-discovery", "--selector", "app=pdserve", "tier=cpu"])
     assert not cfg.disaggregated and cfg.selector == (("app", "pdserve"), ("tier", "cpu"))
+    assert RouterConfig.from_args([*base, "--service-discovery", "--selector", "a=b", "--worker", "http://w:1"]).worker
     assert cfg.service_discovery_port == 30000 and cfg.service_discovery_resync == 30.0
     for bad in (["--prefill-selector", "app=x", "--decode-selector", "app=y"],  # no --service-discovery
                 ["--service-discovery", "--prefill-selector", "app=x"],  # no decode selector
                 ["--service-discovery", "--prefill-selector", "app", "--decode-selector", "a=b"],  # not K=V
-                ["--service-discovery", "--selector", "a=b", "--decode-selector", "a=c"]):
+                ["--service-discovery", "--selector", "a=b", "--decode-selector", "a=c"],
+                ["--service-discovery", "--worker", "http://w:1", "--prefill-selector", "a=b", "--decode-selector", "a=c"]):
         with pytest.raises(ValueError):
             RouterConfig.from_args([*base, *bad])
 
