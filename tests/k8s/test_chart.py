@@ -68,10 +68,13 @@ def router_config(r: Rendered) -> RouterConfig:
     return RouterConfig.from_args(c["args"])
 
 
-def test_helm_lint_strict() -> None:
+@pytest.mark.parametrize("kube_version", KUBE_VERSIONS)
+def test_helm_lint_strict(kube_version: str) -> None:
     for values in VALUE_SETS.values():
-        report = lint_chart(values)
+        report = lint_chart(values, f"v{kube_version}")
         assert not report["errors"] and not [m for m in report["messages"] if m["severity"] >= 2], report
+    broken = lint_chart({"probes": {"periodSeconds": 0}}, f"v{kube_version}")  # a template error: lint says so
+    assert broken["errors"] or [m for m in broken["messages"] if m["severity"] >= 2], broken
 
 
 @pytest.mark.parametrize("kube_version", KUBE_VERSIONS)
@@ -215,6 +218,16 @@ def test_discovery_rbac_is_pods_read_only(chart: tuple[str, Rendered]) -> None:
     assert role_obj["rules"] == [{"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]}]
     assert binding["roleRef"]["name"] == role_obj["metadata"]["name"]
     assert binding["subjects"] == [{"kind": "ServiceAccount", "name": sa, "namespace": NAMESPACE}]
+
+
+@pytest.mark.parametrize("bad", [{"prefill": {"gpus": -1}}, {"probes": {"periodSeconds": 0}},
+                                 {"shutdown": {"marginSeconds": 0}}, {"ports": {"http": 70000}},
+                                 {"router": {"service": {"type": "Ingress"}}}, {"decode": {"replicas": "2"}}])
+def test_the_values_schema_refuses_broken_values(bad: dict[str, Any]) -> None:
+    import helm_python
+
+    with pytest.raises(helm_python.HelmError):
+        render_chart(bad)
 
 
 def test_every_value_has_a_one_line_comment() -> None:
