@@ -77,6 +77,8 @@ class Router:
         self.handler = GenerationHandler(self)
         self.created = int(time.time())
         self.discovery = ServiceDiscovery.from_config(cfg, self) if cfg.service_discovery else None
+        if self.discovery is not None:
+            self.metrics.prom.register(self.discovery.collector())
 
     async def start(self) -> None:
         self.dispatcher.open()

@@ -20,9 +20,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Iterator
 from typing import Protocol
 
 import httpx
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
 
 from router.config import RouterConfig, WorkerSpec
 from router.discovery.kube_client import KubeApiError, KubeClient, KubeCredentials, WatchExpired
@@ -62,6 +65,7 @@ class ServiceDiscovery:
         self.lists = 0  # completed LISTs
         self.watches = 0  # watches opened
         self.last_error: str | None = None
+        self.restarts = {"gone": 0, "ended": 0, "error": 0}  # LIST + WATCH again, by why
         self._task: asyncio.Task[None] | None = None
         self._checks: set[asyncio.Task[None]] = set()
 
@@ -88,14 +92,15 @@ class ServiceDiscovery:
             try:
                 rv = await self.resync()
                 await asyncio.wait_for(self._watch(rv), self.resync_s)
-                reason = "watch ended"
+                kind, reason = "ended", "watch ended"
             except asyncio.TimeoutError:
                 backoff = BACKOFF_INITIAL_S
                 continue  # the resync deadline: LIST again at once
             except WatchExpired as e:
-                reason = str(e)
+                kind, reason = "gone", str(e)
             except (KubeApiError, httpx.HTTPError, OSError) as e:
-                reason = f"{type(e).__name__}: {e}"
+                kind, reason = "error", f"{type(e).__name__}: {e}"
+            self.restarts[kind] += 1
             self.last_error = reason
             if time.monotonic() - started > LASTING_WATCH_S:
                 backoff = BACKOFF_INITIAL_S
@@ -162,7 +167,30 @@ class ServiceDiscovery:
 
     def describe(self) -> dict[str, object]:
         return {"namespace": self.namespace, "pods": {k: s.url for k, s in self.pods.items()},
-                "lists": self.lists, "watches": self.watches, "last_error": self.last_error}
+                "lists": self.lists, "watches": self.watches, "restarts": dict(self.restarts),
+                "last_error": self.last_error}
+
+    def collector(self) -> Collector:
+        """Prometheus view of this loop, for the router's registry (read at scrape time)."""
+        return _DiscoveryCollector(self)
+
+
+class _DiscoveryCollector(Collector):
+    def __init__(self, sd: ServiceDiscovery) -> None:
+        self.sd = sd
+
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        pods = GaugeMetricFamily("router_discovery_workers", "workers registered for pods, by role", labels=["role"])
+        for role in sorted({s.role for s in self.sd.matcher.selectors}):
+            pods.add_metric([role], sum(1 for s in self.sd.pods.values() if s.role == role))
+        yield pods
+        yield CounterMetricFamily("router_discovery_lists", "full LISTs of pods", value=self.sd.lists)
+        yield CounterMetricFamily("router_discovery_watches", "WATCHes of pods opened", value=self.sd.watches)
+        restarts = CounterMetricFamily("router_discovery_restarts", "LIST + WATCH again after a watch ended "
+                                       "early, got 410 Gone, or failed", labels=["reason"])
+        for kind, n in sorted(self.sd.restarts.items()):
+            restarts.add_metric([kind], n)
+        yield restarts
 
 
 def _identity(spec: WorkerSpec) -> tuple[str, str, int | None]:

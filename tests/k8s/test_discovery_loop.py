@@ -153,6 +153,10 @@ async def test_a_failing_list_keeps_the_known_workers(api: FakeKubeApi, make_rou
     await until(lambda: sd.lists > lists, "LIST again after the backoff (0.5 s, then 1 s)")
     api.put_pod(PodSpec("prefill-0", "127.0.0.2", PREFILL))
     await until(lambda: url("127.0.0.2") in found(router), "watching again")
+    text = router.metrics.render().decode()
+    assert 'router_discovery_restarts_total{reason="gone"} 1.0' in text
+    assert 'router_discovery_restarts_total{reason="error"} 2.0' in text
+    assert 'router_discovery_workers{role="decode"} 1.0' in text and 'router_discovery_workers{role="prefill"} 1.0' in text
 
 
 def pod(labels: dict[str, str], *, ip: str | None = "10.0.0.5", phase: str = "Running", ready: str = "True",
