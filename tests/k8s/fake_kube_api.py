@@ -4,7 +4,8 @@
     api.put_pod(PodSpec(...))                 create (ADDED) or patch (MODIFIED) a pod
     api.set_ready(name, False)                flip its Ready condition
     api.delete_pod(name, finalizer=True)      with a finalizer: deletionTimestamp only (MODIFIED)
-    api.cut_watches("410" | "drop")           end every open WATCH: an ERROR 410 Gone event, or EOF
+    api.cut_watches("410" | "drop")           end every open WATCH: an ERROR 410 Gone event, or EOF (a
+                                              watch that delivered an event is open: tests wait for one)
     api.mute_watches() / api.fail_lists(n)    new watches deliver no event / the next n LISTs answer 500
     api.kubeconfig(path)                      a kubeconfig pointing at it (what --kubeconfig reads)
 
@@ -17,7 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -44,7 +45,7 @@ class _Emulator(kmock.KubernetesEmulator):  # type: ignore[misc]
         return await super()._serve_list(request)
 
     async def _serve_watch(self, request: rendering.Request) -> AsyncIterator[Any]:
-        cut = self.cut
+        cut = self.cut  # a cut_watches() from now on ends this watch
         assert cut is not None
         if self.muted:
             yield b""
@@ -186,26 +187,26 @@ class FakeKubeApi:
 
     def cut_watches(self, kind: str) -> None:
         """End every open WATCH: "410" (an ERROR event, 410 Gone) or "drop" (the stream just ends)."""
-        def cut() -> None:
-            em = self._emulator
-            assert em is not None and em.cut is not None
+        def cut(em: _Emulator) -> None:
+            assert em.cut is not None
             em.cut_kind = kind
             old, em.cut = em.cut, asyncio.Event()
             old.set()
-        self.loop.call_soon_threadsafe(cut)
+        self._on_loop(cut)
 
     def mute_watches(self, muted: bool = True) -> None:
         """Watches opened from now on deliver no event (until cut): only a re-LIST sees changes."""
-        def mute() -> None:
-            assert self._emulator is not None
-            self._emulator.muted = muted
-        self.loop.call_soon_threadsafe(mute)
+        self._on_loop(lambda em: setattr(em, "muted", muted))
 
     def fail_lists(self, n: int) -> None:
-        def fail() -> None:
+        self._on_loop(lambda em: setattr(em, "failing_lists", n))
+
+    def _on_loop(self, fn: Callable[[_Emulator], None]) -> None:
+        """Run fn on the server's loop and return once it ran."""
+        async def run() -> None:
             assert self._emulator is not None
-            self._emulator.failing_lists = n
-        self.loop.call_soon_threadsafe(fail)
+            fn(self._emulator)
+        asyncio.run_coroutine_threadsafe(run(), self.loop).result(10)
 
     def kubeconfig(self, path: Path) -> Path:
         path.write_text(

@@ -21,6 +21,7 @@ from router.config import RouterConfig, WorkerSpec
 from router.discovery.kube_client import KubeApiError, KubeCredentials
 from router.discovery.kube_types import ObjectMeta, Pod, PodCondition, PodStatus
 from router.discovery.pod_match import PodMatcher
+from router.discovery.service_discovery import ServiceDiscovery
 from tests.k8s.fake_kube_api import FakeKubeApi, PodSpec
 
 PREFILL = {"app": "pdserve", "role": "prefill"}
@@ -38,10 +39,11 @@ def api() -> Iterator[FakeKubeApi]:
 
 @pytest.fixture
 def kubeconfig(api: FakeKubeApi, tmp_path: Path) -> Iterator[Path]:
-    api.clear()
     api.fail_lists(0)
     api.mute_watches(False)
+    api.clear()
     yield api.kubeconfig(tmp_path / "kubeconfig")
+    api.fail_lists(0)
     api.clear()
 
 
@@ -71,11 +73,22 @@ def found(router: Router) -> dict[str, tuple[str, str, str | None]]:
     return {w.url: (w.role, w.source, w.pod) for w in router.registry.all()}
 
 
-async def until(cond: Callable[[], bool], what: str, timeout_s: float = 10.0) -> None:
+async def until(cond: Callable[[], bool], what: str, timeout_s: float = 20.0) -> None:
     deadline = time.monotonic() + timeout_s
     while not cond():
         assert time.monotonic() < deadline, what
         await asyncio.sleep(0.05)
+
+
+async def started(router: Router) -> ServiceDiscovery:
+    """Start the router and wait for its first LIST: a pod put after it reaches the router only
+    through its watch (kmock replays existing pods to a new watch), so seeing one proves the watch
+    is open and a cut_watches() ends it."""
+    await router.start()
+    sd = router.discovery
+    assert sd is not None
+    await until(lambda: sd.lists >= 1, "first LIST")
+    return sd
 
 
 def url(ip: str) -> str:
@@ -123,11 +136,9 @@ async def test_a_new_pod_at_an_old_pods_ip_is_a_new_worker(api: FakeKubeApi,
 async def test_an_event_no_watch_delivered_is_repaired_by_the_relist(
         api: FakeKubeApi, make_router: Callable[..., Router]) -> None:
     router = make_router("--service-discovery-resync", "1")
-    await router.start()
+    sd = await started(router)
     api.put_pod(PodSpec("decode-0", "127.0.0.3", DECODE))
-    await until(lambda: url("127.0.0.3") in found(router), "decode-0")
-    sd = router.discovery
-    assert sd is not None
+    await until(lambda: url("127.0.0.3") in found(router), "decode-0 (through the watch: it is open)")
     api.mute_watches()
     api.cut_watches("drop")
     watches = sd.watches
@@ -140,11 +151,9 @@ async def test_an_event_no_watch_delivered_is_repaired_by_the_relist(
 
 async def test_a_failing_list_keeps_the_known_workers(api: FakeKubeApi, make_router: Callable[..., Router]) -> None:
     router = make_router()
-    await router.start()
+    sd = await started(router)
     api.put_pod(PodSpec("decode-0", "127.0.0.3", DECODE))
-    await until(lambda: url("127.0.0.3") in found(router), "decode-0")
-    sd = router.discovery
-    assert sd is not None
+    await until(lambda: url("127.0.0.3") in found(router), "decode-0 (through the watch: it is open)")
     lists = sd.lists
     api.fail_lists(2)
     api.cut_watches("410")
