@@ -45,34 +45,45 @@ class _Emulator(kmock.KubernetesEmulator):  # type: ignore[misc]
         return await super()._serve_list(request)
 
     async def _serve_watch(self, request: rendering.Request) -> AsyncIterator[Any]:
+        """As the emulator's watch, but subscribed to the event bus BEFORE the snapshot of existing pods
+        (the emulator subscribes after sending it, and loses what changes meanwhile: a real API server
+        resumes from the LIST's resourceVersion and loses nothing)."""
         cut = self.cut  # a cut_watches() from now on ends this watch
-        assert cut is not None
-        if self.muted:
-            yield b""
-            await cut.wait()
+        assert cut is not None and request.resource is not None
+        bus = self._buses[request.resource]
+        marker = await bus.mark()
+        try:
+            yield b""  # the headers go out now: the client sees its watch open
+            if not self.muted:
+                for item in await self._snapshot(request):
+                    yield item
+            events = bus.stream(since=marker).__aiter__()
+            stop = asyncio.ensure_future(cut.wait())
+            nxt: asyncio.Future[Any] | None = None
+            try:
+                while True:
+                    nxt = asyncio.ensure_future(events.__anext__())
+                    await asyncio.wait({nxt, stop}, return_when=asyncio.FIRST_COMPLETED)
+                    if not nxt.done():
+                        break
+                    event = nxt.result()
+                    meta = event.get("object", {}).get("metadata", {})
+                    if not self.muted and meta.get("namespace") == request.namespace:
+                        yield event
+            finally:
+                for f in (nxt, stop):
+                    if f is not None:
+                        f.cancel()
             if self.cut_kind == "410":
                 yield self.gone()
-            return
-        inner = super()._serve_watch(request).__aiter__()
-        stop = asyncio.ensure_future(cut.wait())
-        nxt: asyncio.Future[Any] | None = None
-        try:
-            while True:
-                nxt = asyncio.ensure_future(inner.__anext__())
-                await asyncio.wait({nxt, stop}, return_when=asyncio.FIRST_COMPLETED)
-                if not nxt.done():
-                    break
-                try:
-                    item = nxt.result()
-                except StopAsyncIteration:
-                    return
-                yield item
         finally:
-            for f in (nxt, stop):
-                if f is not None:
-                    f.cancel()
-        if self.cut_kind == "410":
-            yield self.gone()
+            await bus.unmark(marker)
+
+    async def _snapshot(self, request: rendering.Request) -> list[dict[str, Any]]:
+        async with self._lock:
+            objs = [o for (res, ns, _), o in self.objects.items()
+                    if res == request.resource and ns == request.namespace and not o.deleted]
+            return [{"type": "ADDED", "object": o.raw} for o in objs]
 
     @staticmethod
     def gone() -> dict[str, Any]:
