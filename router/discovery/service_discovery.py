@@ -100,6 +100,9 @@ class ServiceDiscovery:
                 kind, reason = "gone", str(e)
             except (KubeApiError, httpx.HTTPError, OSError) as e:
                 kind, reason = "error", f"{type(e).__name__}: {e}"
+            except Exception as e:  # a bug must not end discovery silently: log it, go on after the backoff
+                logger.exception("service discovery: unexpected error")
+                kind, reason = "error", f"{type(e).__name__}: {e}"
             self.restarts[kind] += 1
             self.last_error = reason
             if time.monotonic() - started > LASTING_WATCH_S:
