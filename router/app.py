@@ -1,7 +1,7 @@
 """The router's HTTP app: OpenAI + native routes, worker admin, health, metrics.
 
     POST /v1/completions, /v1/chat/completions, /generate   -> handlers.GenerationHandler
-    GET  /v1/models, /health, /metrics, /workers
+    GET  /v1/models, /health, /metrics, /workers (each worker's `source`: command-line, api, discovery)
     POST /workers {"url", "role", "bootstrap_port"?}  DELETE /workers?url=... (or {"url"})
 
 `build_app(cfg)` wires one Router (all state) into a FastAPI app; every error
@@ -29,6 +29,7 @@ from common.server.openapi import ApiRoute, mount_openapi, openapi_document
 from router.admission import Admission
 from router.auth import AuthMiddleware
 from router.config import RouterConfig, WorkerSpec, normalize_url
+from router.discovery import ServiceDiscovery
 from router.dispatcher import Dispatcher
 from router.errors import ApiError, bad_request
 from router.fields import decode_json_object, get_int, get_str
@@ -47,6 +48,7 @@ from router.openai_types import (
     ModelList,
 )
 from router.registry import WorkerRegistry
+from router.worker import Worker
 
 logger = logging.getLogger("router")
 _ROLE_ALIASES = {"prefill": "prefill", "decode": "decode", "worker": "colocated", "colocated": "colocated"}
@@ -74,19 +76,51 @@ class Router:
         self.parser = RequestParser(self.model, cfg.default_max_tokens_cap, cfg.incremental_streaming_output)
         self.handler = GenerationHandler(self)
         self.created = int(time.time())
+        self.discovery = ServiceDiscovery.from_config(cfg, self) if cfg.service_discovery else None
+        if self.discovery is not None:
+            self.metrics.prom.register(self.discovery.collector())
 
     async def start(self) -> None:
         self.dispatcher.open()
         self.health.start()
         if self.cfg.load_report_interval > 0:
             self.load.start()
+        if self.discovery is not None:
+            self.discovery.start()
 
     async def stop(self) -> None:
+        if self.discovery is not None:
+            await self.discovery.stop()
         await self.load.stop()
         await self.health.stop()
         await self.dispatcher.close()
         await self.kv_indexes.close()
         self.handler.close()
+
+    async def add_worker(self, spec: WorkerSpec) -> Worker:
+        """The one registration path (POST /workers, service discovery): register, then verify."""
+        w = self.register(spec)
+        await self.verify_worker(w)
+        return w
+
+    def register(self, spec: WorkerSpec) -> Worker:
+        """In the registry now, not routable before verify_worker's probe (ApiError 409 on a known URL)."""
+        return self.registry.add(spec)
+
+    async def verify_worker(self, w: Worker) -> None:
+        """Probe a newly registered worker at once (it is routable after its first good probe), and
+        a prefill->decode round trip if none has succeeded yet."""
+        await self.health.check_worker(w)
+        if self.cfg.disaggregated and not self.health.pd_verified and not w.removed:
+            await self.health.probe_pair()
+        logger.info("worker %s (%s, %s) added, healthy=%s%s", w.url, w.role, w.source, w.health.healthy,
+                    "" if w.health.healthy else f" ({w.health.last_error})")
+
+    def remove_worker(self, url: str) -> Worker:
+        """Never picked again; requests it already has finish (DELETE /workers, discovery)."""
+        w = self.registry.remove(url)
+        logger.info("worker %s (%s, %s) removed", w.url, w.role, w.source)
+        return w
 
     def not_ready_reason(self) -> str | None:
         for role in self.registry.roles:
@@ -164,19 +198,15 @@ def build_app(cfg: RouterConfig, model: ModelInfo | None = None) -> FastAPI:
     async def list_workers() -> Response:
         workers = [{**w.describe(), "kv_index": router.kv_indexes.describe(w.url)} for w in router.registry.all()]
         body = {"mode": "disaggregated" if cfg.disaggregated else "colocated", "ready": router.health.ready,
-                "pd_verified": router.health.pd_verified, "workers": workers}
+                "pd_verified": router.health.pd_verified, "workers": workers,
+                "service_discovery": router.discovery.describe() if router.discovery is not None else None}
         return json_response(msgspec.json.encode(body), 200, None)
 
     @app.post("/workers")
     async def add_worker(request: Request) -> Response:
         body = decode_json_object(await read_body(request, 1 << 16), request.headers.get("content-type"))
         spec = _worker_spec(body)
-        w = router.registry.add(spec)
-        await router.health.check_worker(w)
-        if cfg.disaggregated and not router.health.pd_verified:
-            await router.health.probe_pair()
-        logger.info("worker %s (%s) added, healthy=%s%s", w.url, w.role, w.health.healthy,
-                    "" if w.health.healthy else f" ({w.health.last_error})")
+        w = await router.add_worker(spec)
         # One answer whatever the probe met (refused, timeout, another service): POST /workers
         # must not tell a caller which host:port is open. The reason is in the log.
         port = w.bootstrap_port if w.health.healthy else spec.bootstrap_port
@@ -193,8 +223,7 @@ def build_app(cfg: RouterConfig, model: ModelInfo | None = None) -> FastAPI:
             url = get_str(body, "url")
         if not url:
             raise bad_request("'url' is required (query parameter or JSON body)", "url")
-        w = router.registry.remove(_url(url))
-        logger.info("worker %s (%s) removed", w.url, w.role)
+        w = router.remove_worker(_url(url))
         return json_response(msgspec.json.encode(w.describe()), 200, None)
 
     mount_openapi(app, openapi_document("pdserve router", ROUTER_ROUTES))
@@ -233,4 +262,4 @@ def _worker_spec(body: dict[str, Any]) -> WorkerSpec:
     port = get_int(body, "bootstrap_port", None, lo=1, hi=65535)
     if port is not None and role != "prefill":
         raise bad_request("'bootstrap_port' applies to prefill workers only", "bootstrap_port")
-    return WorkerSpec(_url(url), role, port)  # type: ignore[arg-type]
+    return WorkerSpec(_url(url), role, port, source="api")  # type: ignore[arg-type]

@@ -22,6 +22,7 @@ from common.server.conn_limits import DEFAULT_HEADER_TIMEOUT_S
 from common.server.liveness import HEALTH_ANSWER_BOUND_S
 
 Role = Literal["prefill", "decode", "colocated"]
+Selector = tuple[tuple[str, str], ...]
 POLICIES = ("round_robin", "random", "power_of_two", "cache_aware", "load_aware")
 
 
@@ -44,6 +45,8 @@ class WorkerSpec:
     url: str
     role: Role
     bootstrap_port: int | None = None  # prefill only; None: learn it from /server_info
+    source: str = "command-line"  # how the router found it: command-line, api (POST /workers), discovery
+    pod: str | None = None  # discovery: the pod's namespace/name
 
 
 @dataclass(frozen=True)
@@ -114,10 +117,20 @@ class RouterConfig:
     header_timeout: float = DEFAULT_HEADER_TIMEOUT_S  # seconds a client may take to send a request head
     max_stream_backlog: int = 1024  # worker events held for a streaming client that does not read
     max_prompt_chars: int | None = None  # None: 32 x the context length; checked before tokenizing
+    # Kubernetes service discovery (router/discovery): SGLang's flag names
+    service_discovery: bool = False
+    selector: Selector = ()  # colocated workers' pod labels
+    prefill_selector: Selector = ()
+    decode_selector: Selector = ()
+    service_discovery_namespace: str | None = None  # None: every namespace the credentials may list
+    service_discovery_port: int = 30000  # the workers' HTTP port in their pods
+    bootstrap_port_annotation: str = "pdserve.io/bootstrap-port"
+    service_discovery_resync: float = 30.0  # seconds between full re-LISTs that repair a missed watch event
+    kubeconfig: str | None = None  # None: the in-cluster service account
 
     @property
     def disaggregated(self) -> bool:
-        return not self.worker
+        return not self.worker and not self.selector
 
     @property
     def model_name(self) -> str:
@@ -170,9 +183,25 @@ class RouterConfig:
         for name in ("api_key", "admin_api_key"):
             if getattr(self, name) == "":
                 raise ValueError(f"{name} must not be empty")
+        self._validate_discovery()
         urls = [w.url for w in self.all_workers()]
         if len(set(urls)) != len(urls):
             raise ValueError("a worker URL is listed twice")
+
+    def _validate_discovery(self) -> None:
+        selectors = (self.selector, self.prefill_selector, self.decode_selector)
+        if not self.service_discovery:
+            if any(selectors):
+                raise ValueError("--selector/--prefill-selector/--decode-selector need --service-discovery")
+            return
+        if self.selector and (self.prefill_selector or self.decode_selector or self.prefill or self.decode):
+            raise ValueError("--selector (colocated) cannot be combined with prefill/decode workers or selectors")
+        if self.worker and not self.selector:
+            raise ValueError("--worker (colocated) with --service-discovery needs --selector, not prefill/decode ones")
+        if not self.selector and not (self.prefill_selector and self.decode_selector):
+            raise ValueError("--service-discovery needs --prefill-selector and --decode-selector (or --selector)")
+        if not 0 < self.service_discovery_port < 65536 or self.service_discovery_resync <= 0:
+            raise ValueError("service_discovery_port must be a port and service_discovery_resync > 0")
 
     @classmethod
     def from_args(cls, argv: list[str] | None = None) -> RouterConfig:
@@ -185,12 +214,25 @@ class RouterConfig:
         values["prefill"] = tuple(_prefill_spec(v) for v in values["prefill"] or [])
         values["decode"] = tuple(WorkerSpec(normalize_url(u), "decode") for u in values["decode"] or [])
         values["worker"] = tuple(WorkerSpec(normalize_url(u), "colocated") for u in values["worker"] or [])
+        for name in ("selector", "prefill_selector", "decode_selector"):
+            values[name] = parse_selector(values[name] or [])
         cfg = cls(**values)
         cfg.validate()
         return cfg
 
 
 _DEFAULTS = {f.name: f.default for f in dataclasses.fields(RouterConfig)}
+
+
+def parse_selector(items: list[str]) -> Selector:
+    """`["app=pdserve", "role=prefill"]` (SGLang's form) -> sorted (key, value) pairs."""
+    pairs: dict[str, str] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"a selector is KEY=VALUE items, got {item!r}")
+        pairs[key] = value
+    return tuple(sorted(pairs.items()))
 
 
 def _prefill_spec(items: list[str]) -> WorkerSpec:
@@ -268,7 +310,28 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--admin-api-key", default=os.environ.get("PDSERVE_ADMIN_API_KEY") or None,
                    help="key for GET/POST/DELETE /workers (default: $PDSERVE_ADMIN_API_KEY; unset: those answer 403)")
     p.add_argument("--log-level", default=d["log_level"])
+    _add_discovery_flags(p)
     return p
+
+
+def _add_discovery_flags(p: argparse.ArgumentParser) -> None:
+    d = _DEFAULTS
+    g = p.add_argument_group("Kubernetes service discovery (router/discovery)")
+    g.add_argument("--service-discovery", action="store_true",
+                   help="find workers as pods: LIST then WATCH pods, Running + Ready ones matching a selector")
+    g.add_argument("--selector", nargs="+", metavar="KEY=VALUE", help="colocated workers' pod labels")
+    g.add_argument("--prefill-selector", nargs="+", metavar="KEY=VALUE", help="prefill pods' labels")
+    g.add_argument("--decode-selector", nargs="+", metavar="KEY=VALUE", help="decode pods' labels")
+    g.add_argument("--service-discovery-namespace", default=d["service_discovery_namespace"],
+                   help="namespace to watch (default: all the credentials may list)")
+    g.add_argument("--service-discovery-port", type=int, default=d["service_discovery_port"],
+                   help="the workers' HTTP port in their pods")
+    g.add_argument("--bootstrap-port-annotation", default=d["bootstrap_port_annotation"],
+                   help="pod annotation holding a prefill's bootstrap port")
+    g.add_argument("--service-discovery-resync", type=float, default=d["service_discovery_resync"],
+                   help="seconds between full re-LISTs that repair anything a watch missed")
+    g.add_argument("--kubeconfig", default=d["kubeconfig"],
+                   help="kubeconfig file, for a router outside the cluster (default: the in-cluster service account)")
 
 
 def replace(cfg: RouterConfig, **changes: object) -> RouterConfig:
@@ -278,4 +341,5 @@ def replace(cfg: RouterConfig, **changes: object) -> RouterConfig:
     return out
 
 
-__all__ = ["POLICIES", "HealthConfig", "RouterConfig", "Role", "WorkerSpec", "build_parser", "normalize_url", "replace"]
+__all__ = ["POLICIES", "HealthConfig", "RouterConfig", "Role", "WorkerSpec", "Selector", "build_parser", "normalize_url",
+           "parse_selector", "replace"]

@@ -63,6 +63,7 @@ class WorkerRegistry:
             self.cfg.breaker_failure_threshold, self.cfg.breaker_success_threshold, self.cfg.breaker_open_seconds
         )
         w = Worker(spec.url, spec.role, breaker, spec.bootstrap_port)
+        w.source, w.pod = spec.source, spec.pod
         self._workers[spec.role].append(w)
         self._by_url[spec.url] = w
         return w

@@ -45,6 +45,8 @@ class Worker:
         self.removed = False
         self.cache_info: CacheInfo | None = None
         self.live = LiveLoad()  # the worker's own load report (router/load.py)
+        self.source = "command-line"  # how the router found it (WorkerSpec.source); the registry sets it
+        self.pod: str | None = None
 
     @property
     def available(self) -> bool:
@@ -82,6 +84,8 @@ class Worker:
             "url": self.url,
             "role": self.role,
             "bootstrap_port": self.bootstrap_port,
+            "source": self.source,
+            "pod": self.pod,
             "healthy": self.health.healthy,
             "available": self.available,
             "last_error": self.health.last_error,

@@ -48,6 +48,8 @@ PROC_PATHS = (
     "compat/",
     "engine/test_tensor_parallel.py",
     "harness/",
+    "k8s/test_chart_entrypoint.py",
+    "k8s/test_discovery.py",
     "kv_transfer/test_bench_quick.py",
     "kv_transfer/test_kill.py",
     "kv_transfer/test_many_rooms.py",

@@ -79,6 +79,8 @@ def test_worker_death_retry_all_down_and_runtime_add(cluster: Cluster) -> None:
     added = httpx.post(r.url + "/workers", json={"url": d3.url, "role": "decode"}, headers=ADMIN).json()
     assert added["healthy"] is True
     assert httpx.post(r.url + "/workers", json={"url": d3.url, "role": "decode"}, headers=ADMIN).status_code == 409
+    sources = {w["url"]: w["source"] for w in httpx.get(r.url + "/workers", headers=ADMIN).json()["workers"]}
+    assert sources.pop(d3.url) == "api" and set(sources.values()) == {"command-line"}  # how each was found
     assert d3.stats()["generate"] == 1  # the bootstrap round trip re-verified the pair
     d3.reset()
     assert all(post(r, COMP).status_code == 200 for _ in range(3))
