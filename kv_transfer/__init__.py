@@ -8,7 +8,7 @@ Prefill engine
 --------------
     aux = AuxBuffer(num_slots)                      # source rows; the manager allocates them
     mgr = KVManager(KVManagerArgs(role="prefill", layout=pool.layout,
-                                  k_buffers=pool.k_buffers, v_buffers=pool.v_buffers,
+                                  kv_buffer=pool.kv,
                                   aux_buffer=aux, bootstrap_host=host, bootstrap_port=0,
                                   config=TransferConfig(...)))
     mgr.bootstrap_port                              # the port actually bound (0 = pick one)
@@ -25,7 +25,7 @@ Prefill engine
 Decode engine
 -------------
     aux = AuxBuffer(num_slots); slots = AuxSlotAllocator(num_slots)   # the scheduler owns slots
-    mgr = KVManager(KVManagerArgs(role="decode", layout=..., k_buffers=..., v_buffers=...,
+    mgr = KVManager(KVManagerArgs(role="decode", layout=..., kv_buffer=...,
                                   aux_buffer=aux, config=TransferConfig(...)))
     receiver = mgr.create_receiver(rid, room, bootstrap_host, bootstrap_port)
     # Bootstrapping until the prefill peer is registered (one handshake per peer), then

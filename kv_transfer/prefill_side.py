@@ -197,7 +197,7 @@ class PrefillSide(Side):
         else:
             remote = layout_from_wire(msg.layout)
             try:
-                theirs = slices_from_wire(msg.head_slices, msg.k_bases, msg.v_bases, remote, msg.kv_devices or None)
+                theirs = slices_from_wire(msg.head_slices, msg.kv_bases, remote, msg.kv_devices or None)
                 if msg.rank_agents and len(msg.rank_agents) != len(theirs) - 1:
                     raise ValueError(f"{len(msg.rank_agents)} TP rank agents for {len(theirs)} slices")
             except ValueError as e:

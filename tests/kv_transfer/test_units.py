@@ -10,6 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from common.cache.kv_pool import PAGE_MAJOR
 from kv_transfer import (
     AuxBuffer,
     AuxRow,
@@ -146,7 +147,7 @@ def test_state_cell_rules() -> None:
 
 
 def test_wire_messages_round_trip() -> None:
-    reg = Register(1, "d", b"\x00md", WireLayout(2, 8, 4, 2, 8, "bfloat16"), [1, 2], [3, 4], "DRAM", 0, 99, 64, 8, b"tok")
+    reg = Register(1, "d", b"\x00md", WireLayout(2, 8, 4, 2, 8, "bfloat16", PAGE_MAJOR), [1], "DRAM", 0, 99, 64, 8, b"tok")
     assert decode(encode(reg)) == reg
     st_ = Status(2**63 - 1, False, "why", "aborted", reregister=True)
     assert decode(encode(st_)) == st_
