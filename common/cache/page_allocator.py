@@ -24,9 +24,10 @@ class PageAllocator:
         runs: start -> length, last page -> start (merging on free), and size classes
               (class c holds runs of length 2**c .. 2**(c+1) - 1) to find a fitting run fast
 
-    alloc(n, after=p) first continues right after page p when p + 1 is free (the next chunk of a
-    prefill, a decode step's new page), then takes the best-fitting single run (the smallest
-    class that fits, from its start), and only when no run holds n pages the largest runs.
+    alloc(n, after=p, want=w) first continues right after page p when p + 1 is free (the next
+    chunk of a prefill, a decode step's new page), then takes the start of the best-fitting
+    single run for `want` pages (the request's whole prompt: its later chunks continue there),
+    else for n, and only when no run holds n pages the largest runs.
     free() merges pages back into their neighbouring runs."""
 
     BEST_FIT_SCAN = 32  # runs examined in the first fitting size class before taking any that fits
@@ -109,9 +110,10 @@ class PageAllocator:
                 return next(iter(cls))
         return None
 
-    def alloc(self, n: int, after: int | None = None) -> list[int] | None:
+    def alloc(self, n: int, after: int | None = None, want: int = 0) -> list[int] | None:
         """n distinct pages, or None (and nothing taken) when fewer than n are free.
-        after: a page the caller holds; pages right after it are taken first when free."""
+        after: a page the caller holds; pages right after it are taken first when free.
+        want: pages the caller expects to hold in the end (> n: room to grow is preferred)."""
         if n < 0:
             raise ValueError(f"alloc({n}): negative page count")
         if n > self._num_free:
@@ -121,7 +123,9 @@ class PageAllocator:
             out = self._take(after + 1, min(n, self._len[after + 1]))
         need = n - len(out)
         if need:
-            start = self._best_fit(need)
+            start = self._best_fit(want - len(out)) if want > n else None
+            if start is None:
+                start = self._best_fit(need)
             if start is not None:
                 out += self._take(start, need)
             else:
@@ -158,8 +162,10 @@ class PageAllocator:
             self._add_run(start, end - start + 1)
             i = j + 1
 
-    def alloc_slots(self, seq_len: int, last_slot: int | None, n: int) -> list[int] | None:
+    def alloc_slots(self, seq_len: int, last_slot: int | None, n: int, total: int = 0) -> list[int] | None:
         """Token slots for n tokens appended to a sequence of seq_len tokens; None if out of pages.
+        total: the tokens the sequence is expected to reach (a chunked prompt's length): its new
+        pages go where the later chunks can continue them (alloc's `want`).
 
         The sequence's last token sits at `last_slot` (None when seq_len == 0; ignored
         when the last page is full). That page still has (-seq_len) % page_size free
@@ -189,10 +195,11 @@ class PageAllocator:
             take = min(room, n)
             out = list(range(last_slot + 1, last_slot + 1 + take))
             n -= take
+        take_room = len(out)
         if n == 0:
             return out
         last_page = None if last_slot is None or seq_len == 0 else last_slot // ps
-        pages = self.alloc(-(-n // ps), after=last_page)
+        pages = self.alloc(-(-n // ps), after=last_page, want=max(0, -(-(total - seq_len - take_room) // ps)))
         if pages is None:
             return None
         if ps == 1:

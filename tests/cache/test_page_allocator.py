@@ -173,12 +173,13 @@ def _runs(pages: list[int]) -> int:
     return 1 + sum(b != a + 1 for a, b in zip(pages, pages[1:], strict=False))
 
 
-def churn(alloc: PageAllocator, seed: int, rounds: int = 400) -> list[list[int]]:
-    """Requests of 1-40 pages come and go in random order until about half the pool is held."""
+def churn(alloc: PageAllocator, seed: int, rounds: int = 400, reserve: int = 40) -> list[list[int]]:
+    """Requests of 1-40 pages come and go in random order (keeping `reserve` pages free), until
+    about half the pool is held."""
     rng = random.Random(seed)
     held: list[list[int]] = []
     for _ in range(rounds):
-        if held and (rng.random() < 0.45 or alloc.num_free < 40):
+        if held and (rng.random() < 0.45 or alloc.num_free < reserve):
             alloc.free(held.pop(rng.randrange(len(held))))
         else:
             held.append(alloc.alloc(rng.randint(1, 40)) or [])

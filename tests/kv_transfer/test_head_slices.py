@@ -114,3 +114,21 @@ def test_mismatched_models_and_bad_slices_are_refused() -> None:
     assert "order" in (split_compatible(a, 2, other, 2) or "")
     with pytest.raises(ValueError, match="at most"):
         slices_from_wire([[0, 2]] * 65, [1] * 65, a)  # a peer cannot make prefill build without bound
+
+
+def test_descriptor_counts_of_a_1024_token_request_across_tp_pairs() -> None:
+    """16 layers, 8 KV heads, page 16, 64 pages in 3 runs: equal splits post one descriptor per run
+    and slice pair; mismatched ones one per (token, layer, K/V) and overlapping slice pair."""
+    layers, heads = 16, 8
+    layout = KVLayout(layers, 512, 16, heads, 64, "bfloat16")
+    src_pages = np.array([*range(10, 30), *range(40, 80), *range(100, 104)])
+    runs = coalesce_pages(src_pages, np.arange(200, 264))
+    assert runs.num_pages.size == 3
+
+    def count(src_tp: int, dst_tp: int) -> int:
+        src = [HeadSlice(a, n, 1 << 30) for a, n in _split(heads, src_tp)]
+        dst = [HeadSlice(a, n, 1 << 31) for a, n in _split(heads, dst_tp)]
+        return sum(build_sliced_descs(runs, layout, src[p.src], dst[p.dst], p).local.shape[0] for p in pair_slices(src, dst))
+
+    assert count(1, 1) == 3 and count(2, 2) == 2 * 3
+    assert count(1, 2) == count(2, 1) == 2 * 1024 * 2 * layers  # 65,536 (per-layer buffers: the same)
