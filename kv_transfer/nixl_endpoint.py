@@ -85,8 +85,9 @@ class NixlEndpoint:
         if state == "ERR":
             self.release(PostedXfer(handle, 0, 0))
             raise NixlError(f"posting WRITE to {peer} returned ERR")
-        now = time.monotonic()
-        return PostedXfer(handle, nbytes, len(local), posted_at=now, post_s=now - start)
+        # post -> done starts when posting starts: a backend may move bytes inside transfer()
+        # (UCX over CMA copies there), which must count as transfer time, not be hidden
+        return PostedXfer(handle, nbytes, len(local), posted_at=start, post_s=time.monotonic() - start)
 
     def is_done(self, xfer: PostedXfer, *, inject: bool = True) -> bool:
         """DONE means the writes are complete at the target (NIXL flushes before DONE).

@@ -466,7 +466,7 @@ class PrefillSide(Side):
                     self._drop_peer(room.peer, FailureCause.TRANSFER_ERROR, f"NIXL error towards decode: {e}")
                 continue
             if done:
-                self._handle_done(room, xfer, now)
+                self._handle_done(room, xfer)
                 self._release(xfer)
             else:
                 still.append(xfer)
@@ -483,8 +483,9 @@ class PrefillSide(Side):
             why = f"bootstrap timeout: decode sent no page ids within {self.cfg.bootstrap_timeout_s:.1f}s"
             self._room_failed(room, FailureCause.BOOTSTRAP_TIMEOUT, why)
 
-    def _handle_done(self, room: _Room, xfer: PostedXfer, now: float) -> None:
-        wire_s = max(0.0, now - xfer.posted_at) if xfer.posted_at else 0.0
+    def _handle_done(self, room: _Room, xfer: PostedXfer) -> None:
+        """NIXL said DONE just now (the tick's `now` may predate the post)."""
+        wire_s = max(0.0, time.monotonic() - xfer.posted_at) if xfer.posted_at else 0.0
         room.post_s += xfer.post_s
         if not xfer.is_aux:
             room.wire_s += wire_s
