@@ -38,7 +38,8 @@ Decode engine
     receiver.pages_releasable()                     # free the pages only when True (after a
                                                     # failure: prefill's drain ack or drain timeout)
 
-Both: mgr.stats() (bytes, descriptors, transfers, failures by cause, gbps, injected faults),
+Both: mgr.stats() (bytes, descriptors, transfers, failures by cause, gbps = KV bytes / post -> done
+seconds of the WRITE handles, latency_gbps, post_seconds, wire_seconds, injected faults),
 mgr.metrics.registry (prometheus; pass KVManagerArgs.registry to share the engine's),
 mgr.check_integrity(), mgr.set_faults("fail_post=0.1,...") (tests / reliability suite),
 mgr.shutdown() (bounded; fails whatever is still live with cause "shutdown").

@@ -3,7 +3,7 @@
 Runs only in the KVManager's background thread. Per room:
 
     create_sender ──> (TransferRequest from decode) ──> WaitingForInput
-    SendCmd* ──> post KV WRITEs (coalesced runs, every layer buffer, one handle per send)
+    SendCmd* ──> post KV WRITEs (one descriptor per coalesced page run, all layers; one handle per send)
     last SendCmd ──> write our aux row, post its WRITE
     all handles DONE ──> Status(ok) to decode ──> Success
     any failure/abort ──> stop posting, let posted handles settle ──> Status(failed) (= drain ack)
