@@ -14,6 +14,8 @@ request  the realistic one: a Llama-3.2-1B-shaped page-major pool (16 layers, 8 
          prefill exports) next to a one-thread memcpy of the same 32 MiB (`request_vs_memcpy`:
          UCX over CMA copies in one thread, inside the post) and torch's multi-threaded copy
          (`request_vs_parallel_copy`).
+tp       the same request between TP splits in one process (raw NIXL agents): 8 heads -> a
+         4-head decode rank (one descriptor per token, layer and K/V: 32,768) vs equal splits.
 sizes    1-layer pool with 16 KiB pages (K and V of a page together); B bytes as (a) one
          contiguous page range on both sides or (b) randomly scattered pages. Bandwidth = bytes
          / (prefill's sender.send() -> decode sees Success: descriptor build, posts, WRITEs,
@@ -53,6 +55,7 @@ from kv_transfer import (  # noqa: E402
     KVSender,
     TransferConfig,
 )
+from kv_transfer.descriptors import coalesce_pages  # noqa: E402
 
 PAGE_BYTES = 16 << 10
 MIB = 1 << 20
@@ -257,6 +260,54 @@ def request_case(reps: int) -> dict[str, Any]:
     return case
 
 
+def tp_mismatch_case(reps: int) -> dict[str, Any]:
+    """The request's KV between TP splits, posted by one NIXL agent to another in this process:
+    prefill TP 1 (8 heads) -> one decode rank of TP 2 (heads 0-3: a per-(token, layer, K/V)
+    descriptor each) next to equal splits (one descriptor per page run), same pages."""
+    from kv_transfer.faults import FaultInjector, FaultSpec
+    from kv_transfer.head_slices import HeadSlice, build_sliced_descs, pair_slices
+    from kv_transfer.nixl_endpoint import NixlEndpoint
+
+    ps, heads = REQUEST_POOL["page_size"], REQUEST_POOL["num_kv_heads"]
+    pages = REQUEST_TOKENS // ps
+    src_pool = KVPool(num_pages=pages + 1, dtype=torch.bfloat16, **REQUEST_POOL)
+    half = dict(REQUEST_POOL, num_kv_heads=heads // 2)
+    dst_pool = KVPool(num_pages=pages + 1, dtype=torch.bfloat16, **half)
+    full_dst = KVPool(num_pages=pages + 1, dtype=torch.bfloat16, **REQUEST_POOL)
+    raw = src_pool.kv.view(torch.uint8).view(-1)
+    raw.copy_(torch.randint(0, 256, raw.shape, dtype=torch.uint8))
+    faults = FaultInjector(FaultSpec())
+    src = NixlEndpoint("prefill", [src_pool.kv], None, faults)
+    dst = NixlEndpoint("decode", [dst_pool.kv, full_dst.kv], None, faults)
+    peer = src.add_peer(dst.metadata())
+    runs = coalesce_pages(np.arange(1, pages + 1), np.arange(1, pages + 1))
+    out: dict[str, Any] = {}
+    try:
+        for name, dst_slice, dst_pool_ in (("equal", HeadSlice(0, heads, full_dst.kv.data_ptr()), full_dst),
+                                           ("tp_mismatch", HeadSlice(0, heads // 2, dst_pool.kv.data_ptr()), dst_pool)):
+            src_slices = [HeadSlice(0, heads, src_pool.kv.data_ptr())]
+            (pair,) = pair_slices(src_slices, [dst_slice])
+            times = []
+            for _ in range(reps + 1):
+                t0 = time.perf_counter()
+                descs = build_sliced_descs(runs, src_pool.layout, src_slices[0], dst_slice, pair)
+                xfer = src.post_write(descs.local, descs.remote, "DRAM", peer, descs.nbytes)
+                while not src.is_done(xfer):
+                    dst.progress()
+                times.append(time.perf_counter() - t0)
+                src.release(xfer)
+            want = src_pool.kv[1:, :, :, :, : dst_slice.num].contiguous().view(torch.uint8)
+            assert torch.equal(dst_pool_.kv[1:].view(torch.uint8), want), f"{name}: KV did not land"  # bytes: NaNs
+            out[name] = {"descriptors": int(descs.local.shape[0]), "bytes": descs.nbytes,
+                         "gbps_best": descs.nbytes / min(times[1:]) / 1e9, "ms_best": min(times[1:]) * 1e3}
+            print(f"{name:12s}: {out[name]['descriptors']:6d} descriptors, {descs.nbytes / MIB:5.1f} MiB in "
+                  f"{out[name]['ms_best']:7.2f} ms = {out[name]['gbps_best']:5.2f} GB/s (build + post -> done)", flush=True)
+    finally:
+        src.close()
+        dst.close()
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="1 and 16 MiB only, 2 reps")
@@ -274,6 +325,10 @@ def main() -> None:
     # next to torch's multi-threaded copy too, which one transfer cannot use
     results["request_vs_memcpy"] = round(request["post_to_done_gbps_best"] / request["memcpy_1thread_gbps"], 3)
     results["request_vs_parallel_copy"] = round(request["post_to_done_gbps_best"] / request["memcpy_gbps"], 3)
+    tp = tp_mismatch_case(reps)
+    results["tp"] = tp
+    results["tp_mismatch_descriptors"] = tp["tp_mismatch"]["descriptors"]
+    results["tp_mismatch_gbps"] = round(tp["tp_mismatch"]["gbps_best"], 3)
     num_pages = max(sizes) * MIB // PAGE_BYTES * 3 // 2 + 2
     pair = Pair(num_pages, SIZES_POOL)
     assert pair.pool.layout.page_bytes == PAGE_BYTES
