@@ -43,8 +43,7 @@ def decode_ms(lengths: list[int], heads: int, kv_heads: int, head_dim: int) -> t
     pages_per_req = [(n + page - 1) // page for n in lengths]
     pool = KVPool(num_layers=1, num_pages=sum(pages_per_req) + 1, page_size=page, num_kv_heads=kv_heads,
                   head_dim=head_dim, dtype=torch.bfloat16, device="cpu")
-    pool.k_buffers[0].normal_()
-    pool.v_buffers[0].normal_()
+    pool.kv.normal_()
     free = list(range(1, pool.num_pages))
     random.Random(0).shuffle(free)
     r2t = torch.zeros(len(lengths), max(lengths), dtype=torch.int32)

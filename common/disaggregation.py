@@ -60,8 +60,7 @@ def make_kv_manager(
         KVManagerArgs(
             role=role,
             layout=kv_pool.layout,
-            k_buffers=kv_pool.k_buffers,
-            v_buffers=kv_pool.v_buffers,
+            kv_buffer=kv_pool.kv,
             aux_buffer=aux_buffer,
             bootstrap_host=args.host,
             bootstrap_port=args.disaggregation_bootstrap_port if role == "prefill" else 0,

@@ -8,7 +8,7 @@ Prefill engine
 --------------
     aux = AuxBuffer(num_slots)                      # source rows; the manager allocates them
     mgr = KVManager(KVManagerArgs(role="prefill", layout=pool.layout,
-                                  k_buffers=pool.k_buffers, v_buffers=pool.v_buffers,
+                                  kv_buffer=pool.kv,
                                   aux_buffer=aux, bootstrap_host=host, bootstrap_port=0,
                                   config=TransferConfig(...)))
     mgr.bootstrap_port                              # the port actually bound (0 = pick one)
@@ -25,7 +25,7 @@ Prefill engine
 Decode engine
 -------------
     aux = AuxBuffer(num_slots); slots = AuxSlotAllocator(num_slots)   # the scheduler owns slots
-    mgr = KVManager(KVManagerArgs(role="decode", layout=..., k_buffers=..., v_buffers=...,
+    mgr = KVManager(KVManagerArgs(role="decode", layout=..., kv_buffer=...,
                                   aux_buffer=aux, config=TransferConfig(...)))
     receiver = mgr.create_receiver(rid, room, bootstrap_host, bootstrap_port)
     # Bootstrapping until the prefill peer is registered (one handshake per peer), then
@@ -38,7 +38,8 @@ Decode engine
     receiver.pages_releasable()                     # free the pages only when True (after a
                                                     # failure: prefill's drain ack or drain timeout)
 
-Both: mgr.stats() (bytes, descriptors, transfers, failures by cause, gbps, injected faults),
+Both: mgr.stats() (bytes, descriptors, transfers, failures by cause, gbps = KV bytes / post -> done
+seconds of the WRITE handles, latency_gbps, post_seconds, wire_seconds, injected faults),
 mgr.metrics.registry (prometheus; pass KVManagerArgs.registry to share the engine's),
 mgr.check_integrity(), mgr.set_faults("fail_post=0.1,...") (tests / reliability suite),
 mgr.shutdown() (bounded; fails whatever is still live with cause "shutdown").

@@ -126,8 +126,7 @@ class KVManagerArgs:
 
     role: Literal["prefill", "decode"]
     layout: KVLayout
-    k_buffers: list[torch.Tensor]
-    v_buffers: list[torch.Tensor]
+    kv_buffer: torch.Tensor  # the page-major KV pool (KVPool.kv): registered once, one descriptor per page run
     aux_buffer: AuxBuffer
     bootstrap_host: str = "127.0.0.1"  # the instance's --host: prefill's bootstrap port, and UCX's interface (both roles)
     bootstrap_port: int = 0  # prefill: 0 picks a free port (see KVManager.bootstrap_port)
@@ -137,7 +136,7 @@ class KVManagerArgs:
     backend: str = "nixl"  # one of kv_transfer.endpoint.TRANSFER_BACKENDS
     endpoint_factory: EndpointFactory | None = None  # overrides `backend` (tests, out-of-tree backends)
     cluster_secret: ClusterSecret | None = None  # bootstrap channel over CURVE (common.zmq_curve); None: plain
-    kv_head_start: int = 0  # first KV head of k_buffers / v_buffers (TP rank 0: 0)
+    kv_head_start: int = 0  # first KV head of kv_buffer (TP rank 0: 0)
     tp_size: int = 1  # > 1: this is rank 0; ranks 1..N-1 run a RankAgent each (kv_transfer/rank_agent.py)
     tp_link: str = ""  # where those agents connect (ipc://); TP 1: unused
 

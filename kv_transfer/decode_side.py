@@ -213,7 +213,7 @@ class DecodeSide(Side):
 
     def _nbytes(self, rec: _Recv) -> int:
         assert rec.init is not None
-        per_page = 2 * self.layout.num_layers * self.layout.page_bytes * len(self.register_msg.k_bases) // self.layout.num_layers
+        per_page = self.layout.page_bytes * len(self.register_msg.kv_bases)  # every slice's copy of the page
         return per_page * rec.init.dst_pages.size + self.aux.row_bytes
 
     # ---- periodic work ------------------------------------------------------------------

@@ -7,8 +7,9 @@ contiguous on BOTH sides merge into one run:
     dst pages: 1 2 3 | 9 | 4 5      (3->9 breaks dst, 9->4 breaks both)
     runs:      (7,1,3) (3,9,1) (4,4,2)   as (src_start, dst_start, num_pages)
 
-Each run becomes one descriptor per layer buffer (K and V of every layer), at
-byte offset page * page_bytes inside that buffer; see common/cache/kv_pool.py.
+Each run becomes one descriptor per registered buffer at byte offset page * page_bytes. The
+KV pool is page-major (common/cache/kv_pool.py): one buffer whose page holds every layer's K
+and V, so a run is ONE descriptor, every layer included.
 """
 
 from __future__ import annotations

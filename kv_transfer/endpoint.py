@@ -40,6 +40,9 @@ class PostedXfer:
     nbytes: int
     ndescs: int
     rank: int = 0  # TP rank whose agent posted it (> 0: through kv_transfer/rank_link.py)
+    posted_at: float = 0.0  # time.monotonic() when posting began (post -> done starts here)
+    post_s: float = 0.0  # time spent building and posting it (descriptor lists, initialize, transfer)
+    is_aux: bool = False  # the aux row's WRITE: timed, but not counted as KV bandwidth
 
 
 class TransferEndpoint(Protocol):

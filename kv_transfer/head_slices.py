@@ -1,15 +1,22 @@
 """KV heads split across tensor-parallel ranks, and WRITE descriptors between two such splits.
 
 Each side of a transfer publishes one HeadSlice per TP rank (TP 1: one slice of every head):
-its first KV head, its head count and the base address of each layer buffer (K layers, then
-V layers). Within a slice a token's heads are contiguous (kv_pool.py):
+its first KV head, its head count and the base address of its page-major KV pool
+(common/cache/kv_pool.py). Within a slice a token's heads are contiguous:
 
-    slot s of a layer buffer: [ head start+0 | head start+1 | ... ]   token_bytes = heads * head_bytes
+    page p of a slice: [layer 0 K: page_size tokens x (num heads x head_bytes)] [layer 0 V] [layer 1 K] ...
+    page_bytes = 2 * L * page_size * num * head_bytes
 
 A prefill split a -> decode split b: every destination slice gets each of its heads from the
 first source slice that holds it (with replicated heads, kv_heads < tp, one copy is read and
-every replica written). Where the two slices hold the same heads a page run is one descriptor
-per layer buffer (build_descs); otherwise each token's overlapping heads are one descriptor.
+every replica written). Where the two slices hold the same heads a page run is ONE descriptor
+(every layer's K and V); otherwise each (token, layer, K/V) of the run is one descriptor of
+the overlapping heads: 2 * L per token. Per-token descriptors were chosen over a staging
+gather (copy the heads into a contiguous buffer, send that, scatter on decode): the gather
+costs a kernel launch and a second buffer per transfer and an extra pass on decode, and
+mismatched TP is the rare deployment. bench/transfer.py measures it ("tp"): on CPU a 1,024-token
+request 8 -> 4 heads posts 32,768 descriptors at ~16 us each (0.03 GB/s vs 0.6 GB/s for the
+equal split in the same process): a staging gather would pay there and is the next step.
 """
 
 from __future__ import annotations
@@ -29,7 +36,7 @@ MAX_SLICES = 64  # TP ranks a peer may declare (each costs descriptors on every 
 class HeadSlice:
     start: int  # first KV head held
     num: int  # KV heads held
-    bases: list[int]  # address of each layer buffer: K of layers 0..L-1, then V of layers 0..L-1
+    base: int  # address of the slice's page-major KV pool
     device: int = 0  # the GPU holding it (VRAM; 0 on DRAM): TP ranks sit on different GPUs
 
 
@@ -45,36 +52,31 @@ def total_heads(slices: list[HeadSlice]) -> int:
 
 
 def wire_slices(slices: list[HeadSlice]) -> list[list[int]]:
-    """[[start, num], ...] (the bases travel as the message's k_bases / v_bases)."""
+    """[[start, num], ...] (the bases travel as the message's kv_bases)."""
     return [[s.start, s.num] for s in slices]
 
 
 def slices_from_wire(
-    heads: list[list[int]], k_bases: list[int], v_bases: list[int], layout: KVLayout, devices: list[int] | None = None
+    heads: list[list[int]], kv_bases: list[int], layout: KVLayout, devices: list[int] | None = None
 ) -> list[HeadSlice]:
-    """A peer's slices from its message; no `heads` (an older peer): one slice of every head.
-    `devices`: each slice's GPU (none given: 0). Raises ValueError when the bases do not match
-    the slices."""
+    """A peer's slices from its message; no `heads`: one slice of every head. `devices`: each
+    slice's GPU (none given: 0). Raises ValueError when the bases do not match the slices."""
     spans = heads or [[0, layout.num_kv_heads]]
     if len(spans) > MAX_SLICES or any(len(span) != 2 for span in spans):
         raise ValueError(f"{len(spans)} head slices (at most {MAX_SLICES} pairs [first head, heads])")
-    n = layout.num_layers
-    if len(k_bases) != n * len(spans) or len(v_bases) != n * len(spans):
-        raise ValueError(f"{len(k_bases)} K / {len(v_bases)} V buffers for {len(spans)} slice(s) of {n} layers")
+    if len(kv_bases) != len(spans):
+        raise ValueError(f"{len(kv_bases)} KV pool bases for {len(spans)} slice(s)")
     if any(num != layout.num_kv_heads or start < 0 for start, num in spans):
         raise ValueError(f"head slices {spans} do not hold {layout.num_kv_heads} heads each")
     devs = devices or [0] * len(spans)
     if len(devs) != len(spans):
         raise ValueError(f"{len(devs)} devices for {len(spans)} slice(s)")
-    return [
-        HeadSlice(start, num, [*k_bases[i * n : (i + 1) * n], *v_bases[i * n : (i + 1) * n]], devs[i])
-        for i, (start, num) in enumerate(spans)
-    ]
+    return [HeadSlice(start, num, kv_bases[i], devs[i]) for i, (start, num) in enumerate(spans)]
 
 
 def split_compatible(local: KVLayout, local_heads: int, remote: KVLayout, remote_heads: int) -> str | None:
     """None when KV can move between the two splits (same model KV, any TP), else the reason."""
-    for name in ("num_layers", "page_size", "head_dim", "dtype"):
+    for name in ("order", "num_layers", "page_size", "head_dim", "dtype"):
         if getattr(local, name) != getattr(remote, name):
             return f"KV layout mismatch: {name} {getattr(local, name)} != {getattr(remote, name)}"
     if local_heads != remote_heads:
@@ -106,25 +108,33 @@ def build_sliced_descs(
     (`layout`: page size, head_dim and dtype, which both sides share)."""
     local_dev, remote_dev = src.device, dst.device
     head_bytes = layout.head_dim * layout.itemsize
+    ps, blocks = layout.page_size, 2 * layout.num_layers
     if (src.start, src.num) == (dst.start, dst.num):
-        return build_descs(runs, layout.page_size * src.num * head_bytes, src.bases, dst.bases, local_dev, remote_dev)
-    ps = layout.page_size
+        page_bytes = blocks * ps * src.num * head_bytes
+        return build_descs(runs, page_bytes, [src.base], [dst.base], local_dev, remote_dev)
     counts = runs.num_pages * ps
     within = np.arange(int(counts.sum()), dtype=np.int64) - np.repeat(np.cumsum(counts) - counts, counts)
-    src_tok = np.repeat(runs.src_start * ps, counts) + within
+    src_tok = np.repeat(runs.src_start * ps, counts) + within  # token slots, in request order
     dst_tok = np.repeat(runs.dst_start * ps, counts) + within
     length = (pair.end - pair.first) * head_bytes
-    src_off = (src_tok * src.num * head_bytes + (pair.first - src.start) * head_bytes).astype(np.uint64)
-    dst_off = (dst_tok * dst.num * head_bytes + (pair.first - dst.start) * head_bytes).astype(np.uint64)
-    nbuf, ntok = len(src.bases), src_off.size
-    local = np.empty((nbuf * ntok, 3), dtype=np.uint64)
-    remote = np.empty((nbuf * ntok, 3), dtype=np.uint64)
-    local[:, 0] = (np.asarray(src.bases, dtype=np.uint64)[:, None] + src_off[None, :]).ravel()
-    remote[:, 0] = (np.asarray(dst.bases, dtype=np.uint64)[:, None] + dst_off[None, :]).ravel()
+
+    def offsets(tok: np.ndarray, side: HeadSlice) -> np.ndarray:
+        """[blocks, tokens]: byte offset of heads [pair.first, pair.end) of each (layer K/V, token)."""
+        row = side.num * head_bytes
+        page, off = tok // ps, tok % ps
+        first = page * blocks * ps * row + off * row + (pair.first - side.start) * head_bytes
+        return first[None, :] + (np.arange(blocks, dtype=np.int64) * ps * row)[:, None]
+
+    src_off, dst_off = offsets(src_tok, src).ravel(), offsets(dst_tok, dst).ravel()
+    n = src_off.size
+    local = np.empty((n, 3), dtype=np.uint64)
+    remote = np.empty((n, 3), dtype=np.uint64)
+    local[:, 0] = src_off.astype(np.uint64) + np.uint64(src.base)
+    remote[:, 0] = dst_off.astype(np.uint64) + np.uint64(dst.base)
     local[:, 1] = remote[:, 1] = length
     local[:, 2] = local_dev
     remote[:, 2] = remote_dev
-    return DescArrays(local, remote, nbuf * ntok * length)
+    return DescArrays(local, remote, n * length)
 
 
 def concat_descs(parts: list[DescArrays]) -> DescArrays:

@@ -49,13 +49,10 @@ class _Create:
 class KVManager:
     def __init__(self, args: KVManagerArgs) -> None:
         layout = args.layout
-        if len(args.k_buffers) != layout.num_layers or len(args.v_buffers) != layout.num_layers:
-            raise ValueError(f"need {layout.num_layers} K and V buffers")
         want = layout.num_pages * layout.page_bytes
-        kv = [*args.k_buffers, *args.v_buffers]
-        for t in kv:
-            if t.numel() * t.element_size() != want or not t.is_contiguous():
-                raise ValueError(f"each KV buffer must be contiguous and {want} bytes (layout {layout})")
+        kv = [args.kv_buffer]
+        if args.kv_buffer.numel() * args.kv_buffer.element_size() != want or not args.kv_buffer.is_contiguous():
+            raise ValueError(f"the KV pool must be one contiguous page-major tensor of {want} bytes (layout {layout})")
         self.args = args
         self.role = args.role
         self.cfg = args.config
@@ -75,7 +72,7 @@ class KVManager:
             try:
                 hellos = self.link.wait_hellos(args.tp_size - 1, self.cfg.handshake_timeout_s)
                 for h in hellos:
-                    if len(h.bases) != 2 * layout.num_layers or h.kv_mem_type != self.endpoint.kv_mem_type:
+                    if len(h.bases) != 1 or h.kv_mem_type != self.endpoint.kv_mem_type:
                         raise ValueError(f"TP rank {h.rank}'s agent holds {len(h.bases)} {h.kv_mem_type} buffers, "
                                          f"rank 0's {len(kv)} {self.endpoint.kv_mem_type}")
             except Exception:
@@ -84,8 +81,8 @@ class KVManager:
                 self._ctx.term()
                 raise
         self.head_slices = [
-            HeadSlice(args.kv_head_start, layout.num_kv_heads, [t.data_ptr() for t in kv], self.endpoint.kv_device),
-            *(HeadSlice(h.head_start, layout.num_kv_heads, h.bases, h.kv_device) for h in hellos),
+            HeadSlice(args.kv_head_start, layout.num_kv_heads, args.kv_buffer.data_ptr(), self.endpoint.kv_device),
+            *(HeadSlice(h.head_start, layout.num_kv_heads, h.bases[0], h.kv_device) for h in hellos),
         ]
         self.security = CurveSecurity(self._ctx, args.cluster_secret, self.cfg.max_msg_bytes)
         self._poller = zmq.Poller()
@@ -133,8 +130,7 @@ class KVManager:
                 self.agent_name,
                 self.endpoint.metadata(),
                 layout_to_wire(layout),
-                [b for hs in self.head_slices for b in hs.bases[: layout.num_layers]],
-                [b for hs in self.head_slices for b in hs.bases[layout.num_layers :]],
+                [hs.base for hs in self.head_slices],
                 self.endpoint.kv_mem_type,
                 self.endpoint.kv_device,
                 args.aux_buffer.tensor.data_ptr(),

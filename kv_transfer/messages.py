@@ -20,9 +20,10 @@ from __future__ import annotations
 
 import msgspec
 
-PROTOCOL_VERSION = 5  # 2: TransferRequest.skip_pages (decode's prefix cache); 3: Register.instance_token;
+PROTOCOL_VERSION = 6  # 2: TransferRequest.skip_pages (decode's prefix cache); 3: Register.instance_token;
 # 4: head_slices (tensor parallelism: one [first head, heads] per TP rank; bases are per slice);
-# 5: one NIXL agent per TP rank (Register.rank_agents, kv_devices; PrefillInfo.rank_agents)
+# 5: one NIXL agent per TP rank (Register.rank_agents, kv_devices; PrefillInfo.rank_agents);
+# 6: page-major KV pools (WireLayout.order; Register.kv_bases: one pool base per slice)
 
 
 class WireLayout(msgspec.Struct, frozen=True, array_like=True):
@@ -32,6 +33,7 @@ class WireLayout(msgspec.Struct, frozen=True, array_like=True):
     num_kv_heads: int
     head_dim: int
     dtype: str
+    order: str = ""  # KVLayout.order ("" = an older peer: per-layer buffers)
 
 
 class PrefillInfo(msgspec.Struct, frozen=True, array_like=True):
@@ -53,15 +55,14 @@ class Register(msgspec.Struct, frozen=True, array_like=True, tag="reg"):
     agent_name: str
     agent_metadata: bytes
     layout: WireLayout
-    k_bases: list[int]
-    v_bases: list[int]
+    kv_bases: list[int]  # one page-major KV pool per slice (TP rank)
     kv_mem_type: str  # "DRAM" | "VRAM"
     kv_device: int
     aux_base: int
     aux_row_bytes: int
     aux_slots: int
     instance_token: bytes  # random per decode manager: only its holder may replace this agent's registration
-    head_slices: list[list[int]] = []  # per TP rank [first KV head, heads]; k_bases / v_bases are slice-major
+    head_slices: list[list[int]] = []  # per TP rank [first KV head, heads]
     rank_agents: list[bytes] = []  # agent metadata of TP ranks 1..N-1: slice r lives in rank r's agent
     kv_devices: list[int] = []  # per slice: its GPU (VRAM); [] = kv_device for every slice
 

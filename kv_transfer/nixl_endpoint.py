@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import secrets
 import socket
+import time
 
 import numpy as np
 import torch
@@ -70,6 +71,7 @@ class NixlEndpoint:
 
     def post_write(self, local: np.ndarray, remote: np.ndarray, mem_type: str, peer: str, nbytes: int) -> PostedXfer:
         handle = None
+        start = time.monotonic()
         try:
             self.faults.before_post()
             ldescs = self.agent.get_xfer_descs(local, mem_type)
@@ -83,7 +85,9 @@ class NixlEndpoint:
         if state == "ERR":
             self.release(PostedXfer(handle, 0, 0))
             raise NixlError(f"posting WRITE to {peer} returned ERR")
-        return PostedXfer(handle, nbytes, len(local))
+        # post -> done starts when posting starts: a backend may move bytes inside transfer()
+        # (UCX over CMA copies there), which must count as transfer time, not be hidden
+        return PostedXfer(handle, nbytes, len(local), posted_at=start, post_s=time.monotonic() - start)
 
     def is_done(self, xfer: PostedXfer, *, inject: bool = True) -> bool:
         """DONE means the writes are complete at the target (NIXL flushes before DONE).

@@ -3,7 +3,7 @@
 Runs only in the KVManager's background thread. Per room:
 
     create_sender ──> (TransferRequest from decode) ──> WaitingForInput
-    SendCmd* ──> post KV WRITEs (coalesced runs, every layer buffer, one handle per send)
+    SendCmd* ──> post KV WRITEs (one descriptor per coalesced page run, all layers; one handle per send)
     last SendCmd ──> write our aux row, post its WRITE
     all handles DONE ──> Status(ok) to decode ──> Success
     any failure/abort ──> stop posting, let posted handles settle ──> Status(failed) (= drain ack)
@@ -102,6 +102,9 @@ class _Room:
     first_post: float | None = None
     nbytes: int = 0
     failed_at: float | None = None
+    ndescs: int = 0
+    post_s: float = 0.0  # summed over its handles
+    wire_s: float = 0.0  # summed over its KV handles: posted -> DONE
 
 
 def memory_type_mismatch(prefill_mem_type: str, decode_mem_type: str) -> str | None:
@@ -194,7 +197,7 @@ class PrefillSide(Side):
         else:
             remote = layout_from_wire(msg.layout)
             try:
-                theirs = slices_from_wire(msg.head_slices, msg.k_bases, msg.v_bases, remote, msg.kv_devices or None)
+                theirs = slices_from_wire(msg.head_slices, msg.kv_bases, remote, msg.kv_devices or None)
                 if msg.rank_agents and len(msg.rank_agents) != len(theirs) - 1:
                     raise ValueError(f"{len(msg.rank_agents)} TP rank agents for {len(theirs)} slices")
             except ValueError as e:
@@ -361,6 +364,7 @@ class PrefillSide(Side):
             xfer = self._post_write(rank, descs, agent)
             room.outstanding.append(xfer)
             room.nbytes += descs.nbytes
+            room.ndescs += xfer.ndescs
             self.metrics.posted(descs.nbytes, xfer.ndescs)
         room.next_dst += pages.size
 
@@ -393,8 +397,11 @@ class PrefillSide(Side):
         remote = np.array([[peer.reg.aux_base + room.dst_aux * rb, rb, 0]], dtype=np.uint64)
         if room.first_post is None:
             room.first_post = time.monotonic()
-        room.outstanding.append(self.endpoint.post_write(local, remote, "DRAM", peer.nixl_name, rb))
+        xfer = self.endpoint.post_write(local, remote, "DRAM", peer.nixl_name, rb)
+        xfer.is_aux = True
+        room.outstanding.append(xfer)
         room.nbytes += rb
+        room.ndescs += 1
         self.metrics.posted(rb, 1)
         room.last_posted = True
 
@@ -459,6 +466,7 @@ class PrefillSide(Side):
                     self._drop_peer(room.peer, FailureCause.TRANSFER_ERROR, f"NIXL error towards decode: {e}")
                 continue
             if done:
+                self._handle_done(room, xfer)
                 self._release(xfer)
             else:
                 still.append(xfer)
@@ -475,6 +483,14 @@ class PrefillSide(Side):
             why = f"bootstrap timeout: decode sent no page ids within {self.cfg.bootstrap_timeout_s:.1f}s"
             self._room_failed(room, FailureCause.BOOTSTRAP_TIMEOUT, why)
 
+    def _handle_done(self, room: _Room, xfer: PostedXfer) -> None:
+        """NIXL said DONE just now (the tick's `now` may predate the post)."""
+        wire_s = max(0.0, time.monotonic() - xfer.posted_at) if xfer.posted_at else 0.0
+        room.post_s += xfer.post_s
+        if not xfer.is_aux:
+            room.wire_s += wire_s
+        self.metrics.handle_done(xfer.nbytes, xfer.post_s, wire_s, kv=not xfer.is_aux)
+
     def _finish(self, room: _Room, *, ok: bool) -> None:
         del self.rooms[room.sender.room]
         if room.src_aux is not None:
@@ -490,7 +506,15 @@ class PrefillSide(Side):
             if not (ok and self.faults.drop_status()):
                 self.reply(room.peer.identity, status)
         if ok and cell.advance(KVPoll.Success):
-            self.metrics.completed(room.nbytes, time.monotonic() - (room.first_post or room.created))
+            latency = time.monotonic() - (room.first_post or room.created)
+            self.metrics.completed(room.nbytes, latency, room.ndescs)
+            kv_bytes = room.nbytes - self.aux.row_bytes
+            gbps = kv_bytes / room.wire_s / 1e9 if room.wire_s > 0 else 0.0
+            self.log.info(
+                "kv sent room=%d rid=%s bytes=%d descriptors=%d post_ms=%.3f wire_ms=%.3f wire_gbps=%.2f latency_ms=%.3f",
+                room.sender.room, room.sender.rid, room.nbytes, room.ndescs, room.post_s * 1e3, room.wire_s * 1e3, gbps,
+                latency * 1e3,
+            )
 
     def shutdown(self) -> None:
         for room in list(self.rooms.values()):

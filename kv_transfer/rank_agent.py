@@ -50,8 +50,7 @@ class RankAgentArgs:
     role: str  # "prefill" | "decode"
     rank: int
     link_addr: str  # rank 0's RankLink (ipc://)
-    k_buffers: list[torch.Tensor]
-    v_buffers: list[torch.Tensor]
+    kv_buffer: torch.Tensor  # the rank's page-major KV pool (KVPool.kv)
     kv_head_start: int
     bootstrap_host: str = "127.0.0.1"
     backend: str = "nixl"
@@ -76,7 +75,7 @@ class RankAgent:
         self.args = args
         self._on_crash = on_crash
         self.cfg = args.config
-        kv = [*args.k_buffers, *args.v_buffers]
+        kv = [args.kv_buffer]
         self.faults = FaultInjector(FaultSpec.parse(self.cfg.faults), rank=args.rank)
         with ucx_pinned_to(args.bootstrap_host):
             self.endpoint: TransferEndpoint = make_endpoint(args.backend, f"{args.role}-tp{args.rank}", kv, None, self.faults)

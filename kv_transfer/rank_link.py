@@ -108,7 +108,7 @@ class RankLink:
         self._pending[seq] = rank
         self._send(rank, RankPost(seq, _text(peer), np.ascontiguousarray(local, dtype=np.uint64).tobytes(),
                                   np.ascontiguousarray(remote, dtype=np.uint64).tobytes(), mem_type, nbytes))
-        return PostedXfer(seq, nbytes, len(local), rank=rank)
+        return PostedXfer(seq, nbytes, len(local), rank=rank, posted_at=time.monotonic())  # post -> done includes the hop
 
     def is_done(self, xfer: PostedXfer, *, inject: bool = True) -> bool:
         res = self._results.pop(xfer.handle, None)

@@ -24,7 +24,7 @@ class RankHello(msgspec.Struct, frozen=True, array_like=True, tag="hello"):
     kv_mem_type: str
     kv_device: int
     head_start: int
-    bases: list[int]  # K of layers 0..L-1, then V
+    bases: list[int]  # [the base of its page-major KV pool]
     registered_bytes: int  # what this rank's agent registered: its own slice only
 
 

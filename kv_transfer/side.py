@@ -22,7 +22,8 @@ RECV_BATCH = 1000  # messages per readable socket per loop iteration: timers and
 
 def layout_to_wire(layout: KVLayout) -> WireLayout:
     return WireLayout(
-        layout.num_layers, layout.num_pages, layout.page_size, layout.num_kv_heads, layout.head_dim, layout.dtype
+        layout.num_layers, layout.num_pages, layout.page_size, layout.num_kv_heads, layout.head_dim, layout.dtype,
+        layout.order,
     )
 
 
@@ -34,6 +35,7 @@ def layout_from_wire(w: WireLayout) -> KVLayout:
         num_kv_heads=w.num_kv_heads,
         head_dim=w.head_dim,
         dtype=w.dtype,
+        order=w.order or "per-layer buffers (protocol < 6)",
     )
 
 

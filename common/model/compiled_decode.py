@@ -48,11 +48,9 @@ _KEYS = itertools.count(1)
 
 
 def write_kv(pool: KVPool, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-    """KVPool.set_kv through 2-D [slots, Hkv*D] views. NOTE: on CPU, index_put into the 3-D buffer
-    takes a per-element path that is ~100-1000x slower (bf16) than this row copy."""
-    n = slots.shape[0]
-    for buf, x in ((pool.k_buffers[layer], k), (pool.v_buffers[layer], v)):
-        buf.view(buf.shape[0], -1).index_copy_(0, slots, x.reshape(n, -1).to(buf.dtype))
+    """KVPool.set_kv: row copies into the pool's 2-D [rows, Hkv*D] view (kv_pool.py). NOTE: on CPU,
+    index_put into a multi-dim buffer takes a per-element path ~100-1000x slower (bf16)."""
+    pool.set_kv(layer, slots, k, v)
 
 
 @torch.library.custom_op("pdserve::paged_attention", mutates_args=())

@@ -94,7 +94,7 @@ class ReqKVManager:
         if not self.ensure_free_pages(self.pages_needed(req.kv_len, n)):
             return None
         last = req.kv_slots[-1] if req.kv_slots else None
-        slots = self.allocator.alloc_slots(req.kv_len, last, n)
+        slots = self.allocator.alloc_slots(req.kv_len, last, n, total=len(req.origin_input_ids))
         if slots is None:
             return None
         self.pending_writes.append(SlotWrite(req.req_pool_idx, req.kv_len, slots))

@@ -56,7 +56,7 @@ def _start_transfer_agent(args: ServerArgs, rank: int, addrs: TPAddrs, pool: KVP
     from kv_transfer.rank_agent import RankAgent, RankAgentArgs
 
     RankAgent(RankAgentArgs(
-        role=args.disaggregation_mode, rank=rank, link_addr=addrs.kv_link, k_buffers=pool.k_buffers,
-        v_buffers=pool.v_buffers, kv_head_start=pool.kv_head_start, bootstrap_host=args.host,
+        role=args.disaggregation_mode, rank=rank, link_addr=addrs.kv_link, kv_buffer=pool.kv,
+        kv_head_start=pool.kv_head_start, bootstrap_host=args.host,
         backend=args.disaggregation_transfer_backend, config=transfer_config(args),
     ), on_crash=lambda: os._exit(1))  # its daemon thread serves until this process ends; a crash ends the rank

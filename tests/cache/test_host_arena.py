@@ -41,7 +41,7 @@ def test_buffers_are_zeroed_disjoint_and_writable() -> None:
 @pytest.mark.skipif(not THP_MODE.exists() or "[never]" in THP_MODE.read_text(), reason="THP off on this kernel")
 def test_kv_pool_is_huge_page_eligible() -> None:
     pool = KVPool(num_layers=2, num_pages=512, page_size=16, num_kv_heads=4, head_dim=64, dtype=torch.bfloat16)
-    assert pool.k_buffers[0].numel() * 2 >= 2 * HUGE_PAGE
-    vma = _vma_of(pool.k_buffers[0].data_ptr())
+    assert pool.kv.numel() * 2 >= 2 * HUGE_PAGE
+    vma = _vma_of(pool.kv.data_ptr())
     assert re.search(r"^THPeligible:\s+1", vma, re.M), vma
     assert re.search(r"^VmFlags:.*\bhg\b", vma, re.M), "madvise(MADV_HUGEPAGE) was not applied"

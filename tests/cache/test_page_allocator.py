@@ -3,6 +3,8 @@ from __future__ import annotations
 import random
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from common.cache import PageAllocator, PoolInvariantError
 
@@ -152,7 +154,12 @@ def test_pages_of_and_free_slots() -> None:
 def test_check_integrity_catches_corruption() -> None:
     alloc = PageAllocator(num_pages=8, page_size=1)
     alloc.alloc(2)
-    alloc._free.append(alloc._free[0])  # corrupt: one page twice on the free stack
+    alloc._is_free[1] = 1  # corrupt: an allocated page flagged free
+    with pytest.raises(PoolInvariantError):
+        alloc.check_integrity()
+    alloc._is_free[1] = 0
+    alloc.check_integrity()
+    alloc._len[3] = 1  # corrupt: a second run inside the free run 3..7
     with pytest.raises(PoolInvariantError):
         alloc.check_integrity()
 
@@ -160,3 +167,76 @@ def test_check_integrity_catches_corruption() -> None:
 def test_rejects_too_small_pool() -> None:
     with pytest.raises(ValueError):
         PageAllocator(num_pages=1, page_size=4)
+
+
+def _runs(pages: list[int]) -> int:
+    return 1 + sum(b != a + 1 for a, b in zip(pages, pages[1:], strict=False))
+
+
+def churn(alloc: PageAllocator, seed: int, rounds: int = 400, reserve: int = 40) -> list[list[int]]:
+    """Requests of 1-40 pages come and go in random order (keeping `reserve` pages free), until
+    about half the pool is held."""
+    rng = random.Random(seed)
+    held: list[list[int]] = []
+    for _ in range(rounds):
+        if held and (rng.random() < 0.45 or alloc.num_free < reserve):
+            alloc.free(held.pop(rng.randrange(len(held))))
+        else:
+            held.append(alloc.alloc(rng.randint(1, 40)) or [])
+    return held
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_a_request_gets_few_runs_after_churn(seed: int) -> None:
+    """A 64-page request (1,024 tokens at page 16) on a churned pool is one run when any free run
+    holds 64 pages, and never more runs than a largest-first pick needs."""
+    alloc = PageAllocator(num_pages=2049, page_size=16)
+    churn(alloc, seed)
+    assert alloc.num_runs > 10  # the pool really is fragmented
+    largest = max(alloc._len.values())
+    pages = alloc.alloc(64)
+    assert pages is not None and len(set(pages)) == 64
+    assert _runs(pages) == 1 if largest >= 64 else _runs(pages) <= 4
+    alloc.check_integrity()
+
+
+def test_alloc_continues_after_the_callers_last_page() -> None:
+    alloc = PageAllocator(num_pages=64, page_size=4)
+    a = alloc.alloc(4)
+    b = alloc.alloc(4)
+    assert a == [1, 2, 3, 4] and b == [5, 6, 7, 8]
+    alloc.free([6, 7, 8])  # run 6..63
+    assert alloc.alloc(2, after=5) == [6, 7]  # the next chunk right after the request's pages
+    slots = alloc.alloc_slots(4 * 3, 4 * 7 + 3, 8)  # continue a 12-token sequence ending in page 7
+    assert slots is not None and [s // 4 for s in slots[::4]] == [8, 9]
+    alloc.check_integrity()
+
+
+def test_fewest_runs_when_no_run_fits() -> None:
+    alloc = PageAllocator(num_pages=41, page_size=1)
+    pages = alloc.alloc(40)
+    assert pages == list(range(1, 41))
+    alloc.free([*range(1, 5), *range(10, 20), *range(25, 33), 40])  # free runs of 4, 10, 8, 1
+    got = alloc.alloc(17)
+    assert got is not None and _runs(got) == 2 and set(got) <= set(range(10, 33))  # the two largest
+    alloc.check_integrity()
+
+
+@given(st.lists(st.tuples(st.booleans(), st.integers(1, 12), st.integers(0, 1000)), max_size=120))
+@settings(max_examples=150, deadline=None)
+def test_random_alloc_free_keeps_the_runs_consistent(ops: list[tuple[bool, int, int]]) -> None:
+    alloc = PageAllocator(num_pages=65, page_size=1)
+    held: list[list[int]] = []
+    for is_alloc, n, pick in ops:
+        if is_alloc or not held:
+            after = held[pick % len(held)][-1] if held and pick % 2 else None
+            got = alloc.alloc(n, after=after)
+            if got is None:
+                assert n > alloc.num_free
+            else:
+                assert len(got) == len(set(got)) == n and all(not alloc.is_free(p) for p in got)
+                held.append(got)
+        else:
+            alloc.free(held.pop(pick % len(held)))
+        alloc.check_integrity()
+        assert alloc.num_free + sum(map(len, held)) == alloc.num_usable

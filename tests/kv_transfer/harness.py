@@ -62,8 +62,8 @@ def make_pool(spec: PoolSpec, seed: int | None) -> KVPool:
         head_dim=spec.head_dim,
         dtype=getattr(torch, spec.dtype),
     )
-    for i, buf in enumerate([*pool.k_buffers, *pool.v_buffers]):
-        raw = buf.view(-1).view(torch.uint8)
+    for i in range(2 * spec.num_layers):  # K of layers 0..L-1, then V
+        raw = pool.kv[:, i % spec.num_layers, i // spec.num_layers].view(torch.uint8)
         if seed is None:
             raw.fill_(CANARY)
         else:
@@ -73,9 +73,9 @@ def make_pool(spec: PoolSpec, seed: int | None) -> KVPool:
 
 
 def page_bytes(pool: KVPool, buf: int, page: int) -> torch.Tensor:
-    raw = [*pool.k_buffers, *pool.v_buffers][buf].view(-1).view(torch.uint8)
-    pb = pool.layout.page_bytes
-    return raw[page * pb : (page + 1) * pb]
+    """Bytes of page `page` of layer buffer `buf` (K of layers 0..L-1, then V), read through the
+    pool's [pages, layers, K/V, page_size, heads, dim] shape."""
+    return pool.kv[page, buf % pool.num_layers, buf // pool.num_layers].reshape(-1).view(torch.uint8)
 
 
 def make_manager(role: str, spec: PoolSpec, seed: int | None, **cfg: Any) -> tuple[KVManager, KVPool, AuxBuffer]:
@@ -87,8 +87,7 @@ def make_manager(role: str, spec: PoolSpec, seed: int | None, **cfg: Any) -> tup
     args = KVManagerArgs(
         role=role,  # type: ignore[arg-type]
         layout=pool.layout,
-        k_buffers=pool.k_buffers,
-        v_buffers=pool.v_buffers,
+        kv_buffer=pool.kv,
         aux_buffer=aux,
         config=config,
         cluster_secret=ClusterSecret(secret) if secret is not None else None,

@@ -1,6 +1,6 @@
 """Head-sliced WRITE descriptors between TP splits, executed on plain memory.
 
-Every rank's KV buffers of both sides live in one byte array (addresses are offsets into
+Every rank's page-major KV pool of both sides live in one byte array (addresses are offsets into
 it); the descriptors _post_kv would post are applied as memcpys. Each destination rank must
 then hold exactly its heads of the source pages in the destination pages, for every
 (prefill TP, decode TP) pair, replicated heads (kv_heads < tp) included, and nothing else
@@ -50,12 +50,21 @@ def _side(mem: Memory, kv_heads: int, tp: int, page_size: int) -> tuple[KVLayout
     heads = max(1, kv_heads // tp)
     layout = KVLayout(LAYERS, PAGES, page_size, heads, HEAD_DIM, "float32")
     nbytes = PAGES * layout.page_bytes
-    return layout, [HeadSlice(start, n, [mem.alloc(nbytes) for _ in range(2 * LAYERS)]) for start, n in _split(kv_heads, tp)]
+    return layout, [HeadSlice(start, n, mem.alloc(nbytes)) for start, n in _split(kv_heads, tp)]
 
 
-def _view(mem: Memory, base: int, layout: KVLayout) -> np.ndarray:
-    n = PAGES * layout.page_size * layout.num_kv_heads * HEAD_DIM
-    return mem.bytes[base : base + 4 * n].view(np.float32).reshape(PAGES * layout.page_size, layout.num_kv_heads, HEAD_DIM)
+def _view(mem: Memory, base: int, layout: KVLayout, b: int) -> np.ndarray:
+    """Layer buffer b (K of layers 0..L-1, then V) as [slots, heads, dim]: a copy of the pool's
+    [pages, layers, K/V, page_size, heads, dim] slice, for reading."""
+    ps, h = layout.page_size, layout.num_kv_heads
+    pool = mem.bytes[base : base + PAGES * layout.page_bytes].view(np.float32).reshape(PAGES, LAYERS, 2, ps, h, HEAD_DIM)
+    return pool[:, b % LAYERS, b // LAYERS].reshape(PAGES * ps, h, HEAD_DIM)
+
+
+def _fill(mem: Memory, base: int, layout: KVLayout, b: int, values: np.ndarray) -> None:
+    ps, h = layout.page_size, layout.num_kv_heads
+    pool = mem.bytes[base : base + PAGES * layout.page_bytes].view(np.float32).reshape(PAGES, LAYERS, 2, ps, h, HEAD_DIM)
+    pool[:, b % LAYERS, b // LAYERS] = values.reshape(PAGES, ps, h, HEAD_DIM)
 
 
 @pytest.mark.parametrize("page_size", [1, 4])
@@ -69,16 +78,16 @@ def test_each_destination_rank_gets_exactly_its_heads(kv_heads: int, src_tp: int
     rng = np.random.default_rng(0)
     model_kv = rng.standard_normal((2 * LAYERS, PAGES * page_size, kv_heads, HEAD_DIM)).astype(np.float32)
     for s in src:
-        for b, base in enumerate(s.bases):
-            _view(mem, base, src_layout)[:] = model_kv[b][:, s.start : s.start + s.num]
+        for b in range(2 * LAYERS):
+            _fill(mem, s.base, src_layout, b, model_kv[b][:, s.start : s.start + s.num])
     src_pages, dst_pages = np.array([1, 2, 4, 5]), np.array([3, 4, 5, 1])  # runs break on both sides
     runs = coalesce_pages(src_pages, dst_pages)
     before = mem.bytes.copy()
     descs = concat_descs([build_sliced_descs(runs, src_layout, src[p.src], dst[p.dst], p) for p in pair_slices(src, dst)])
     mem.apply(descs.local, descs.remote)
     for d in dst:
-        for b, base in enumerate(d.bases):
-            got = _view(mem, base, dst_layout)
+        for b in range(2 * LAYERS):
+            got = _view(mem, d.base, dst_layout, b)
             for sp, dp in zip(src_pages, dst_pages, strict=True):
                 want = model_kv[b][sp * page_size : (sp + 1) * page_size, d.start : d.start + d.num]
                 np.testing.assert_array_equal(got[dp * page_size : (dp + 1) * page_size], want)
@@ -88,6 +97,10 @@ def test_each_destination_rank_gets_exactly_its_heads(kv_heads: int, src_tp: int
     changed = np.nonzero(mem.bytes != before)[0]
     moved = 2 * LAYERS * len(src_pages) * page_size * HEAD_DIM * 4 * sum(d.num for d in dst)
     assert descs.nbytes == moved and changed.size <= moved
+    pairs = pair_slices(src, dst)
+    same = sum((src[p.src].start, src[p.src].num) == (dst[p.dst].start, dst[p.dst].num) for p in pairs)
+    # 3 page runs: one descriptor each where the slices match; per (token, layer K/V) otherwise
+    assert descs.local.shape[0] == same * 3 + (len(pairs) - same) * len(src_pages) * page_size * 2 * LAYERS
 
 
 def test_mismatched_models_and_bad_slices_are_refused() -> None:
@@ -95,7 +108,27 @@ def test_mismatched_models_and_bad_slices_are_refused() -> None:
     assert "KV heads" in (split_compatible(a, 4, a, 2) or "")
     assert "head_dim" in (split_compatible(a, 4, KVLayout(LAYERS, PAGES, 4, 2, 8, "float32"), 4) or "")
     with pytest.raises(ValueError, match="slice"):
-        slices_from_wire([[0, 2], [2, 2]], [1, 2], [3, 4], a)  # 2 slices need 4 K bases
-    assert slices_from_wire([], [1, 2], [3, 4], a) == [HeadSlice(0, 2, [1, 2, 3, 4])]
+        slices_from_wire([[0, 2], [2, 2]], [1], a)  # 2 slices need 2 pool bases
+    assert slices_from_wire([], [7], a) == [HeadSlice(0, 2, 7)]
+    other = KVLayout(LAYERS, PAGES, 4, 2, HEAD_DIM, "float32", order="layer,kv,page,token,head,dim")
+    assert "order" in (split_compatible(a, 2, other, 2) or "")
     with pytest.raises(ValueError, match="at most"):
-        slices_from_wire([[0, 2]] * 65, [1, 2] * 65, [3, 4] * 65, a)  # a peer cannot make prefill build without bound
+        slices_from_wire([[0, 2]] * 65, [1] * 65, a)  # a peer cannot make prefill build without bound
+
+
+def test_descriptor_counts_of_a_1024_token_request_across_tp_pairs() -> None:
+    """16 layers, 8 KV heads, page 16, 64 pages in 3 runs: equal splits post one descriptor per run
+    and slice pair; mismatched ones one per (token, layer, K/V) and overlapping slice pair."""
+    layers, heads = 16, 8
+    layout = KVLayout(layers, 512, 16, heads, 64, "bfloat16")
+    src_pages = np.array([*range(10, 30), *range(40, 80), *range(100, 104)])
+    runs = coalesce_pages(src_pages, np.arange(200, 264))
+    assert runs.num_pages.size == 3
+
+    def count(src_tp: int, dst_tp: int) -> int:
+        src = [HeadSlice(a, n, 1 << 30) for a, n in _split(heads, src_tp)]
+        dst = [HeadSlice(a, n, 1 << 31) for a, n in _split(heads, dst_tp)]
+        return sum(build_sliced_descs(runs, layout, src[p.src], dst[p.dst], p).local.shape[0] for p in pair_slices(src, dst))
+
+    assert count(1, 1) == 3 and count(2, 2) == 2 * 3
+    assert count(1, 2) == count(2, 1) == 2 * 1024 * 2 * layers  # 65,536 (per-layer buffers: the same)

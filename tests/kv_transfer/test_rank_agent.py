@@ -28,9 +28,8 @@ class Rig:
     def __init__(self) -> None:
         self.ctx = zmq.Context()
         addr = f"ipc://@pdserve_test_{secrets.token_hex(4)}"
-        self.k = [torch.arange(NBYTES // 4, dtype=torch.float32) + 1000 * i for i in range(LAYERS)]
-        self.v = [-t for t in self.k]
-        self.agent = RankAgent(RankAgentArgs(role="prefill", rank=1, link_addr=addr, k_buffers=self.k, v_buffers=self.v,
+        self.kv = torch.arange(2 * LAYERS * NBYTES // 4, dtype=torch.float32)  # the rank's pool (any shape)
+        self.agent = RankAgent(RankAgentArgs(role="prefill", rank=1, link_addr=addr, kv_buffer=self.kv,
                                              kv_head_start=1, config=TransferConfig(faults="rank=1,fail_post_nth=2")))
         self.link = RankLink(addr, self.ctx)
         self.target_kv = torch.zeros(NBYTES // 4, dtype=torch.float32)
@@ -70,18 +69,18 @@ def desc(addr: int, n: int) -> np.ndarray:
 def test_rank_agent_registers_its_slice_and_writes_for_rank_0(rig: Rig) -> None:
     (hello,) = rig.link.wait_hellos(1, TIMEOUT_S)
     assert hello.rank == 1 and hello.head_start == 1
-    assert hello.bases == [t.data_ptr() for t in (*rig.k, *rig.v)]
-    assert hello.registered_bytes == 2 * LAYERS * NBYTES  # its K and V buffers, nothing else
+    assert hello.bases == [rig.kv.data_ptr()]
+    assert hello.registered_bytes == 2 * LAYERS * NBYTES  # its KV pool, nothing else
     rig.link.add_peer([rig.target.metadata()])
     half = NBYTES // 2
-    xfer = rig.link.post_write(1, desc(rig.v[1].data_ptr() + half, half), desc(rig.target_kv.data_ptr(), half), "DRAM",
-                               rig.target.name, half)
+    src = rig.kv.data_ptr() + 3 * NBYTES + half
+    xfer = rig.link.post_write(1, desc(src, half), desc(rig.target_kv.data_ptr(), half), "DRAM", rig.target.name, half)
     assert xfer.rank == 1 and rig.wait(xfer)
-    assert torch.equal(rig.target_kv[: half // 4], rig.v[1][half // 4 :])
+    assert torch.equal(rig.target_kv[: half // 4], rig.kv[(3 * NBYTES + half) // 4 :])
     assert rig.link.rank_stats() == {"rank1_registered_bytes": 2 * LAYERS * NBYTES, "rank1_descriptors": 1,
                                      "rank1_bytes": half, "rank1_failed_posts": 0}
     # the 2nd post fails (fault key rank=1): reported, and terminal (nothing of it lands later)
-    xfer = rig.link.post_write(1, desc(rig.k[0].data_ptr(), 8), desc(rig.target_kv.data_ptr(), 8), "DRAM",
+    xfer = rig.link.post_write(1, desc(rig.kv.data_ptr(), 8), desc(rig.target_kv.data_ptr(), 8), "DRAM",
                                rig.target.name, 8)
     with pytest.raises(EndpointError, match="injected") as failed:
         rig.wait(xfer)

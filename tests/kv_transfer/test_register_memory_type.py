@@ -52,9 +52,8 @@ def prefill_side(endpoint: FakeEndpoint, replies: list[object]) -> PrefillSide:
 
 
 def register(kv_mem_type: str, aux_row_bytes: int) -> Register:
-    bases = [4096 * (i + 1) for i in range(LAYOUT.num_layers)]
     return Register(
-        PROTOCOL_VERSION, "decode-fake", b"decode agent metadata", layout_to_wire(LAYOUT), bases, bases,
+        PROTOCOL_VERSION, "decode-fake", b"decode agent metadata", layout_to_wire(LAYOUT), [4096],
         kv_mem_type, 0, 1 << 20, aux_row_bytes, 4, b"token",
     )
 

@@ -10,6 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from common.cache.kv_pool import PAGE_MAJOR
 from kv_transfer import (
     AuxBuffer,
     AuxRow,
@@ -146,7 +147,7 @@ def test_state_cell_rules() -> None:
 
 
 def test_wire_messages_round_trip() -> None:
-    reg = Register(1, "d", b"\x00md", WireLayout(2, 8, 4, 2, 8, "bfloat16"), [1, 2], [3, 4], "DRAM", 0, 99, 64, 8, b"tok")
+    reg = Register(1, "d", b"\x00md", WireLayout(2, 8, 4, 2, 8, "bfloat16", PAGE_MAJOR), [1], "DRAM", 0, 99, 64, 8, b"tok")
     assert decode(encode(reg)) == reg
     st_ = Status(2**63 - 1, False, "why", "aborted", reregister=True)
     assert decode(encode(st_)) == st_
@@ -187,3 +188,23 @@ def test_handles_reject_misuse() -> None:
         r.init([5], 1)
     r.abort("bye")
     assert r.poll() == KVPoll.Failed and r.failure_cause == FailureCause.ABORTED and not r.pages_releasable()
+
+
+def test_gbps_comes_from_post_to_done_not_room_latency() -> None:
+    from prometheus_client import generate_latest
+
+    from kv_transfer.metrics import TransferMetrics
+
+    m = TransferMetrics("prefill")
+    m.posted(2_000_000_000, 3)
+    m.handle_done(2_000_000_000, post_s=0.001, wire_s=0.5)  # KV: 4 GB/s on the wire
+    m.handle_done(64, post_s=0.001, wire_s=0.25, kv=False)  # the aux row: timed, not in GB/s
+    m.completed(2_000_000_064, latency_s=4.0, ndescs=3)  # the room took 4 s (compute between chunks)
+    s = m.stats()
+    assert s["gbps"] == pytest.approx(4.0) and s["latency_gbps"] == pytest.approx(0.5, rel=1e-6)
+    assert s["wire_seconds"] == 0.5 and s["post_seconds"] == pytest.approx(0.002) and s["handles"] == 2
+    text = generate_latest(m.registry).decode()
+    for name in ("kv_transfer_post_seconds_count", "kv_transfer_wire_seconds_count", "kv_transfer_wire_gbps_count",
+                 "kv_transfer_request_descriptors_sum"):
+        assert f'{name}{{phase="prefill"}}' in text, name
+    assert 'kv_transfer_wire_gbps_count{phase="prefill"} 1.0' in text

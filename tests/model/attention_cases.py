@@ -47,8 +47,7 @@ def make_case(
         num_layers=2, num_pages=64 + 1024 // page_size, page_size=page_size, num_kv_heads=shape.num_kv_heads,
         head_dim=shape.head_dim, dtype=dtype, device=device,
     )
-    for buf in pool.k_buffers + pool.v_buffers:
-        buf.normal_()
+    pool.kv.normal_()
     req_to_token = torch.zeros(8, 512, dtype=torch.int32, device=device)
     pages = list(range(1, pool.num_pages))
     rng.shuffle(pages)
@@ -79,8 +78,9 @@ def reference(
     for r in range(batch.batch_size):
         p, e, s = batch.prefix_lens_cpu[r], batch.extend_lens_cpu[r], batch.seq_lens_cpu[r]
         slots = req_to_token[batch.req_pool_indices[r], :s].long()
-        k = pool.k_buffers[layer][slots].double().repeat_interleave(shape.group_size, dim=1)  # [s, H, D]
-        v = pool.v_buffers[layer][slots].double().repeat_interleave(shape.group_size, dim=1)
+        page, off = slots // pool.page_size, slots % pool.page_size  # kv: [pages, layers, K/V, page_size, H, D]
+        k = pool.kv[page, layer, 0, off].double().repeat_interleave(shape.group_size, dim=1)  # [s, H, D]
+        v = pool.kv[page, layer, 1, off].double().repeat_interleave(shape.group_size, dim=1)
         qq = q[start : start + e].double()
         scores = torch.einsum("ehd,shd->hes", qq, k) * shape.scaling
         allowed = torch.arange(s)[None, :] <= (p + torch.arange(e))[:, None]

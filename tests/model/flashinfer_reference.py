@@ -78,7 +78,7 @@ class _Plan:
         self.q_dtype, self.kv_dtype, self.o_dtype = q_dtype, kv_dtype, o_dtype
 
     def run(self, q: torch.Tensor, paged_kv_cache: Any) -> torch.Tensor:
-        k_cache, v_cache = paged_kv_cache
+        k_cache, v_cache = _unpack_paged_kv_cache(paged_kv_cache)
         want_q = (self.qo_indptr[-1], self.num_qo_heads, self.head_dim)
         if tuple(q.shape) != want_q or q.dtype != self.q_dtype:
             raise ValueError(f"q is {tuple(q.shape)} {q.dtype}, the plan expects {want_q} {self.q_dtype}")
@@ -106,6 +106,30 @@ class _Plan:
                 scores = scores.masked_fill(~allowed.to(scores.device), float("-inf"))
             out[q0:q1] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).to(self.o_dtype)
         return out
+
+
+def _unpack_paged_kv_cache(paged_kv_cache: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """flashinfer/utils.py _unpack_paged_kv_cache (NHD): a (K, V) tuple of [pages, page, H, D], or
+    one [pages, 2, page, H, D] tensor unbound on dim 1; page_size 1 may drop the page dim. Then
+    the kernels' stride rules (csrc/batch_decode.cu, batch_prefill.cu; paged_kv_t in
+    include/flashinfer/page.cuh): any strides are taken from the tensors, K's and V's must be
+    equal, the feature dim is contiguous, and each stride fits the uint32 it is kept in."""
+    if isinstance(paged_kv_cache, tuple):
+        k_cache, v_cache = (c.unsqueeze(-3) if c.dim() == 3 else c for c in paged_kv_cache)
+    elif torch.is_tensor(paged_kv_cache):
+        cache = paged_kv_cache.unsqueeze(-3) if paged_kv_cache.dim() == 4 else paged_kv_cache
+        if cache.dim() != 5 or cache.shape[1] != 2:
+            raise ValueError(f"a single paged KV tensor must be [pages, 2, page, H, D], got {tuple(cache.shape)}")
+        k_cache, v_cache = cache.unbind(dim=1)
+    else:
+        raise KeyError(f"Unrecognized paged_kv_cache type {type(paged_kv_cache)}")
+    if k_cache.stride() != v_cache.stride():
+        raise ValueError(f"K/V strides differ: {k_cache.stride()} vs {v_cache.stride()}")
+    if k_cache.stride(-1) != 1:
+        raise ValueError("the head_dim axis of the paged KV cache must be contiguous")
+    if any(st >= 2**32 for st in k_cache.stride()[:3]):
+        raise ValueError(f"paged KV strides {k_cache.stride()} overflow flashinfer's uint32 strides")
+    return k_cache, v_cache
 
 
 def _run(plan: _Plan | None, q: torch.Tensor, cache: Any, args: tuple[Any, ...], options: tuple[Any, ...]) -> torch.Tensor:

@@ -199,8 +199,8 @@ def test_scheduler_side_device_writes_wait_for_the_worker() -> None:
     kv = KVPool(num_layers=2, num_pages=4, page_size=4, num_kv_heads=1, head_dim=8, dtype=torch.float32,
                 streams=OrderingLog(log))
     slots = torch.tensor([4, 5])
-    kv.k_buffers[1][4:6] = 1.5
+    kv.kv[1, 1, 0, 0:2] = 1.5  # slots 4, 5 = page 1, offsets 0-1; layer 1's K
     k, v = kv.copy_slots_to_host(slots)
     assert log == ["wait", "wait"] and bool((k[1] == 1.5).all())
     kv.restore_slots_from_host(torch.tensor([8, 9]), k, v)
-    assert log == ["wait"] * 3 and bool((kv.k_buffers[1][8:10] == 1.5).all())
+    assert log == ["wait"] * 3 and bool((kv.kv[2, 1, 0, 0:2] == 1.5).all())

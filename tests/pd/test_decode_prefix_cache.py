@@ -37,7 +37,7 @@ def test_multi_turn_chat_moves_only_new_pages_and_stays_exact(cached_pd: InProce
     pd = cached_pd
     rng = random.Random(4)
     layout = pd.decode.kv_pool.layout
-    page_bytes = 2 * layout.num_layers * layout.page_bytes
+    page_bytes = layout.page_bytes  # one page: every layer's K and V
     row_bytes = 384
     ps = pd.decode.kv_pool.page_size
     prompt = [rng.randrange(3, VOCAB) for _ in range(30)]

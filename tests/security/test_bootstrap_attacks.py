@@ -110,8 +110,7 @@ def dealer(port: int, secret: bytes | None) -> zmq.Socket:
 
 def register_msg(agent: nixl_agent, name: str, token: bytes, num_pages: int = SPEC.num_pages) -> Register:
     layout = layout_to_wire(make_pool(PoolSpec(num_pages=num_pages), None).layout)
-    bases = [1 << 20] * SPEC.num_layers
-    return Register(PROTOCOL_VERSION, name, agent.get_agent_metadata(), layout, bases, bases, "DRAM", 0, 1 << 30,
+    return Register(PROTOCOL_VERSION, name, agent.get_agent_metadata(), layout, [1 << 20], "DRAM", 0, 1 << 30,
                     AuxBuffer(1).row_bytes, SPEC.aux_slots, token)
 
 
@@ -158,7 +157,7 @@ def test_decode_tells_an_unproven_prefill_nothing(real_decode: RealDecode) -> No
         open_decode.driver.op_room(1, host="127.0.0.1", port=port, dst=[1], aux_slot=0)
         assert sniff.poll(5000), "an unauthenticated decode sends Register at once"
         leaked = decode(sniff.recv_multipart()[-1])
-        assert isinstance(leaked, Register) and leaked.agent_metadata and leaked.k_bases
+        assert isinstance(leaked, Register) and leaked.agent_metadata and leaked.kv_bases
     finally:
         sniff.close()
         open_decode.mgr.shutdown()

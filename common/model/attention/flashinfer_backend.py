@@ -1,7 +1,9 @@
 """FlashInfer paged attention (CUDA; flashinfer is imported when the backend is built).
 
-The KV pool's per-layer buffers [num_pages * page_size, Hkv, D] are viewed as
-FlashInfer's NHD paged cache [num_pages, page_size, Hkv, D]. A request's page
+Each layer reads the page-major pool in place: kv_pool.layer_cache(layer) is FlashInfer's
+single-tensor NHD paged cache [num_pages, 2, page_size, Hkv, D], strided in its page dimension
+(flashinfer unbinds K and V, whose strides are equal, and takes the page stride from the
+tensor: common/cache/kv_pool.py). A request's page
 table is read from req_to_token at every page_size-th token:
 
     req_to_token[row]:  s0 s0+1 .. | s1 s1+1 .. | s2 ..      (slots, page-aligned runs)
@@ -59,11 +61,7 @@ class FlashInferAttentionBackend(AttentionBackend):
         self._workspace = workspace
         self._graph_decode: dict[int, Any] = {}  # bucket size -> use_cuda_graph=True decode wrapper
         self._use_decode = False
-        page, hkv, d = kv_pool.page_size, kv_pool.num_kv_heads, kv_pool.head_dim
-        self._caches = [
-            (k.view(-1, page, hkv, d), v.view(-1, page, hkv, d))
-            for k, v in zip(kv_pool.k_buffers, kv_pool.v_buffers, strict=True)
-        ]
+        self._caches = [kv_pool.layer_cache(layer) for layer in range(kv_pool.num_layers)]
         self._warm_up()
 
     graph_capturable = True

@@ -76,7 +76,7 @@ def _length_groups(lengths: list[int]) -> list[list[int]]:
 @dataclass
 class _DecodeGroup:
     token_index: torch.Tensor | None  # [n] rows of the packed tokens; None = all tokens in order
-    kv_pages: torch.Tensor  # [n, P] int64 pages of each row, padding points at the reserved page 0
+    kv_blocks: torch.Tensor  # [n, P] int64 layer-0 K block of each page (page * 2L); padding: the reserved page 0
     mask: torch.Tensor  # [n, 1, 1, P * page_size] bool, True = attend
 
 
@@ -84,7 +84,7 @@ class _DecodeGroup:
 class _ExtendSeq:
     start: int  # first row in the packed tokens
     length: int  # extend tokens
-    kv_index: torch.Tensor  # [seq_len] int64 slots of the whole sequence
+    kv_rows: torch.Tensor  # [seq_len] int64 layer-0 K rows (KVPool.slot_base) of the whole sequence
     mask: torch.Tensor | None  # [length, seq_len] bool; None = plain causal (no prefix)
 
 
@@ -129,7 +129,7 @@ class TorchAttentionBackend(AttentionBackend):
             self._decode.append(
                 _DecodeGroup(
                     token_index=token_index,
-                    kv_pages=page_starts.masked_fill(~valid[:, ::ps], 0) // ps,
+                    kv_blocks=page_starts.masked_fill(~valid[:, ::ps], 0) // ps * (2 * self.kv_pool.num_layers),
                     mask=valid[:, None, None, :],
                 )
             )
@@ -140,21 +140,21 @@ class TorchAttentionBackend(AttentionBackend):
             mask: torch.Tensor | None = None
             if p > 0:
                 mask = torch.arange(s, device=device)[None, :] <= (p + torch.arange(e, device=device))[:, None]
-            self._extends.append(_ExtendSeq(start=starts[r], length=e, kv_index=table[r, :s], mask=mask))
+            self._extends.append(_ExtendSeq(start=starts[r], length=e, kv_rows=self.kv_pool.slot_base(table[r, :s]), mask=mask))
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, batch: ForwardBatch
     ) -> torch.Tensor:
         num_tokens, num_heads, head_dim = q.shape
-        k_buf = self.kv_pool.k_buffers[layer_id]
-        v_buf = self.kv_pool.v_buffers[layer_id]
+        pool = self.kv_pool
         out = q.new_empty(num_tokens, num_heads * head_dim)
         for group in self._decode:
-            self._forward_decode(q, k_buf, v_buf, out, group)
+            self._forward_decode(q, layer_id, out, group)
+        k_row, v_row = pool.layer_row(layer_id, 0), pool.layer_row(layer_id, 1)
         for seq in self._extends:
             rows = slice(seq.start, seq.start + seq.length)
-            kk = _gather(k_buf, seq.kv_index, q.dtype).transpose(0, 1)  # [Hkv, S, D]
-            vv = _gather(v_buf, seq.kv_index, q.dtype).transpose(0, 1)
+            kk = self._gather(pool.rows, seq.kv_rows + k_row, q.dtype).transpose(0, 1)  # [Hkv, S, D]
+            vv = self._gather(pool.rows, seq.kv_rows + v_row, q.dtype).transpose(0, 1)
             # 4-D ([1, H, e, D]): with 3-D inputs torch's CPU SDPA takes its math path, 3x
             # slower for a 512-token chunk over a 1.5k prefix (bench/attention_cpu.py).
             o = F.scaled_dot_product_attention(
@@ -169,14 +169,14 @@ class TorchAttentionBackend(AttentionBackend):
             out[rows] = o.transpose(0, 1).reshape(seq.length, num_heads * head_dim)
         return out
 
-    def _forward_decode(
-        self, q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, out: torch.Tensor, g: _DecodeGroup
-    ) -> None:
+    def _forward_decode(self, q: torch.Tensor, layer: int, out: torch.Tensor, g: _DecodeGroup) -> None:
         n, length = g.mask.shape[0], g.mask.shape[-1]
         hkv, d = self.shape.num_kv_heads, self.shape.head_dim
-        pages, ps = g.kv_pages.reshape(-1), self.kv_pool.page_size
-        kk = _gather(k_buf, pages, q.dtype, ps).view(n, length, hkv, d).transpose(1, 2)  # [n, Hkv, L, D]
-        vv = _gather(v_buf, pages, q.dtype, ps).view(n, length, hkv, d).transpose(1, 2)
+        pool, blocks = self.kv_pool, g.kv_blocks.reshape(-1)
+        kk = self._gather(pool.blocks, blocks + pool.layer_block(layer, 0), q.dtype)  # one row copy per page
+        vv = self._gather(pool.blocks, blocks + pool.layer_block(layer, 1), q.dtype)
+        kk = kk.view(n, length, hkv, d).transpose(1, 2)  # [n, Hkv, L, D]
+        vv = vv.view(n, length, hkv, d).transpose(1, 2)
         qq = q if g.token_index is None else q.index_select(0, g.token_index)
         qq = qq.view(n, hkv, self.shape.group_size, d)  # GQA group folded into the query axis
         o = F.scaled_dot_product_attention(qq, kk, vv, attn_mask=g.mask, scale=self.shape.scaling)
@@ -186,11 +186,9 @@ class TorchAttentionBackend(AttentionBackend):
         else:
             out.index_copy_(0, g.token_index, o)
 
-
-def _gather(buf: torch.Tensor, index: torch.Tensor, dtype: torch.dtype, slots_per_index: int = 1) -> torch.Tensor:
-    """The slots of `index` (slots, or pages with slots_per_index = page_size: one row copy per
-    page rather than per token), in order, as [len(index) * slots_per_index, Hkv, D] in `dtype`.
-    NOTE: index_select on the 2-D [rows, slots_per_index*Hkv*D] view is far faster on CPU than
-    on the 3-D buffer (a per-element path, very slow for bf16)."""
-    rows = buf.view(buf.shape[0] // slots_per_index, -1).index_select(0, index)
-    return rows.view(-1, *buf.shape[1:]).to(dtype)
+    def _gather(self, view: torch.Tensor, index: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Rows `index` of a 2-D pool view (KVPool.rows: one token; KVPool.blocks: one page of one
+        layer's K or V), in order, as [tokens, Hkv, D] in `dtype`. NOTE: index_select on a 2-D
+        view is far faster on CPU than indexing a multi-dim buffer (a per-element path for bf16)."""
+        rows = view.index_select(0, index)
+        return rows.view(-1, self.kv_pool.num_kv_heads, self.kv_pool.head_dim).to(dtype)
