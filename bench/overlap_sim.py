@@ -76,6 +76,7 @@ def _requests(batch: int, new_tokens: int, seed: int = 0) -> list[Req]:
 @dataclass(frozen=True)
 class SimRun:
     step_ms: float  # median decode step (between consecutive collects)
+    host_ms: float  # median host share actually taken: a collect's return -> the next launch
     timeline: list[SimEvent]
     tokens_ok: bool
 
@@ -103,7 +104,21 @@ def run_sim(host_ms: float, device_ms: float, *, overlap: bool, batch: int = 4, 
     collects = [e.at for e in worker.timeline if e.what == "collect"]
     skip = 5  # the prefill and the loop's start
     gaps = [b - a for a, b in zip(collects[skip:], collects[skip + 1 :], strict=False)][: steps - 2 * skip]
-    return SimRun(step_ms=1e3 * statistics.median(gaps), timeline=list(worker.timeline), tokens_ok=ok)
+    return SimRun(step_ms=1e3 * statistics.median(gaps), host_ms=1e3 * _host_share(worker.timeline, skip),
+                  timeline=list(worker.timeline), tokens_ok=ok)
+
+
+def _host_share(timeline: list[SimEvent], skip: int) -> float:
+    """Median seconds from each collect's return to the launch after it: H when the host keeps
+    its budget, more when a loaded box slows the scheduler's bookkeeping down."""
+    shares, last_collect = [], None
+    for e in timeline:
+        if e.what == "collect":
+            last_collect = e.at
+        elif e.what == "launch" and last_collect is not None:
+            shares.append(e.at - last_collect)
+            last_collect = None
+    return statistics.median(shares[skip:] or shares)
 
 
 class ZeroCostRunner:

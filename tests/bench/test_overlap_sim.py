@@ -2,8 +2,10 @@
 
 The simulated device (common/scheduler/sim_device.py) runs each forward D ms on a thread that
 sleeps, while the host's share of a step is H ms of busy work. The order of launch/collect
-events is checked exactly; the step times with a generous margin at 10x the issue's (H, D), so
-a loaded 2-core box cannot flip the verdict: max(H, D) and H + D differ by >= 33% in each case.
+events is checked exactly; the step times at 10x the issue's (H, D) against the host share each
+run really took (a collect's return -> the next launch: H, or more where a loaded 2-core box
+slowed the scheduler's bookkeeping), so load moves the bound with the step instead of flipping
+the verdict.
 """
 
 from __future__ import annotations
@@ -36,9 +38,10 @@ def test_overlap_loop_takes_the_longer_of_host_and_device(host_ms: int, device_m
     n_launch, n_collect = _order(normal.timeline, "launch"), _order(normal.timeline, "collect")
     assert all(n_collect[a] < n_launch[b] for a, b in zip(steps[:-1], steps[1:], strict=True))
 
-    bound, total = max(h, d), h + d
-    assert overlap.step_ms <= 1.15 * bound, (overlap.step_ms, bound)
-    assert normal.step_ms >= 0.95 * total, (normal.step_ms, total)
+    assert overlap.host_ms >= 0.95 * h and normal.host_ms >= 0.95 * h  # the host did pay H
+    bound, total = max(overlap.host_ms, d), normal.host_ms + d
+    assert overlap.step_ms <= 1.1 * bound + 1.0, (overlap.step_ms, overlap.host_ms, d)
+    assert normal.step_ms >= 0.95 * total, (normal.step_ms, normal.host_ms, d)
     assert overlap.step_ms < normal.step_ms
 
 
