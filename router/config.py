@@ -87,7 +87,7 @@ class RouterConfig:
     max_retries: int = 3
     max_migrations: int = 1  # a stream whose decode fails after the first byte moves to a new pair (0: off)
     max_queued_requests: int = 1024  # requests waiting for a decode with room; beyond it 503 at once
-    queue_timeout: float = 60.0  # seconds a request may wait for room, then 503
+    queue_timeout: float | None = None  # seconds a request may wait for room, then 503 (None: the client decides)
     load_report_interval: float = 0.25  # seconds between GET /get_load rounds (0: no load reports)
     retry_backoff_initial: float = 0.02
     retry_backoff_max: float = 1.0
@@ -148,7 +148,7 @@ class RouterConfig:
                 raise ValueError(f"{name} must be one of {POLICIES}, got {getattr(self, name)!r}")
         if self.max_migrations < 0 or self.max_queued_requests < 0 or self.load_report_interval < 0:
             raise ValueError("max_migrations, max_queued_requests and load_report_interval must be >= 0")
-        if self.queue_timeout <= 0:
+        if self.queue_timeout is not None and self.queue_timeout <= 0:
             raise ValueError("queue_timeout must be > 0")
         if self.max_retries < 0 or self.request_timeout <= 0 or self.health_check_interval <= 0:
             raise ValueError("max_retries must be >= 0, request_timeout and health_check_interval > 0")
@@ -230,10 +230,12 @@ def build_parser() -> argparse.ArgumentParser:
         "breaker_open_seconds",
         "cache_threshold",
         "balance_rel_threshold",
-        "queue_timeout",
         "load_report_interval",
     ):
         p.add_argument("--" + name.replace("_", "-"), type=float, default=d[name])
+    p.add_argument("--queue-timeout", type=float, default=d["queue_timeout"],
+                   help="seconds a request may wait in the router's queue for a decode with room, then 503 "
+                        "(default: no limit, as SGLang and vLLM; the client's own timeout decides)")
     for name in (
         "max_retries",
         "max_migrations",
