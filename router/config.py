@@ -89,6 +89,7 @@ class RouterConfig:
     max_migrations: int = 1  # a stream whose decode fails after the first byte moves to a new pair (0: off)
     max_queued_requests: int = 1024  # requests waiting for a decode with room; beyond it 503 at once
     queue_timeout: float | None = None  # seconds a request may wait for room, then 503 (None: the client decides)
+    kv_event_wait: float = 0.05  # a session's turn waits this long at most for its last turn's KV event (0: never)
     load_report_interval: float = 0.25  # seconds between GET /get_load rounds (0: no load reports)
     retry_backoff_initial: float = 0.02
     retry_backoff_max: float = 1.0
@@ -149,6 +150,8 @@ class RouterConfig:
                 raise ValueError(f"{name} must be one of {POLICIES}, got {getattr(self, name)!r}")
         if self.max_migrations < 0 or self.max_queued_requests < 0 or self.load_report_interval < 0:
             raise ValueError("max_migrations, max_queued_requests and load_report_interval must be >= 0")
+        if self.kv_event_wait < 0:
+            raise ValueError("kv_event_wait must be >= 0")
         if self.queue_timeout is not None and self.queue_timeout <= 0:
             raise ValueError("queue_timeout must be > 0")
         if self.max_retries < 0 or self.request_timeout <= 0 or self.health_check_interval <= 0:
@@ -236,6 +239,7 @@ def build_parser() -> argparse.ArgumentParser:
         "cache_threshold",
         "balance_rel_threshold",
         "load_report_interval",
+        "kv_event_wait",
     ):
         p.add_argument("--" + name.replace("_", "-"), type=float, default=d[name])
     p.add_argument("--queue-timeout", type=float, default=d["queue_timeout"],
