@@ -34,6 +34,7 @@ from common.model.memory_budget import kv_budget_bytes
 from common.model.model_runner import ModelRunner
 from common.model.sampler import Sampler
 from common.model.tensor_parallel import NO_TP, TPGroup, TPShard
+from common.scheduler import step_fault
 from common.scheduler.config import SchedulerConfig
 from common.scheduler.executor import (
     Executor,
@@ -54,6 +55,10 @@ from common.server.tp_ranks import TPRanks, init_tp_group, set_rank_threads
 
 logger = logging.getLogger(__name__)
 
+def _no_phase(name: str) -> AbstractContextManager[object]:
+    return nullcontext()
+
+
 EXTRA_REQ_ROWS = 8  # rows beyond max_running_requests (chunked request, requests being admitted)
 
 
@@ -71,20 +76,26 @@ class EngineCore:
     kv_events: KVEventPublisher | None = None  # instances with a prefix cache: its contents, for the router
     tp_ranks: TPRanks | None = None  # --tp-size > 1: ranks 1..N-1 (this process is rank 0)
 
-    def run_iteration(self, step_scope: Callable[[], AbstractContextManager[object]] = nullcontext) -> None:
+    def run_iteration(self, phase: Callable[[str], AbstractContextManager[object]] = _no_phase) -> None:
         """One engine-loop iteration after the inputs were taken in: poll the role's transfers,
-        step when there is work (inside `step_scope`, e.g. the liveness clock), send outputs
-        produced outside a step, and run the idle checks when nothing is left."""
+        step when there is work, send outputs produced outside a step, and run the idle checks
+        when nothing is left. Each part runs inside `phase(name)` (the liveness clock's
+        phases: the watchdog sees a hang in any of them, common/server/liveness.py)."""
         if self.transfer is not None:
-            self.transfer.poll()
+            with phase("transfer poll"):
+                if self.scheduler.has_work:
+                    step_fault.at_point("transfer_poll")
+                self.transfer.poll()
         if self.scheduler.has_runnable_work:
-            with step_scope():
+            with phase("step"):
                 self.scheduler.step()
-        self.scheduler.flush()
-        if self.kv_events is not None:
-            self.kv_events.flush()
+        with phase("output flush"):
+            self.scheduler.flush()
+            if self.kv_events is not None:
+                self.kv_events.flush()
         if not self.scheduler.has_work:
-            self.scheduler.on_idle()  # reset new_token_ratio, check the pools once per idle spell
+            with phase("idle checks"):
+                self.scheduler.on_idle()  # reset new_token_ratio, check the pools once per idle spell
 
     def shutdown(self) -> None:
         """The engine first (no step may still read or write KV), then the transfer manager."""

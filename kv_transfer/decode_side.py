@@ -7,6 +7,12 @@ Runs only in the KVManager's background thread.
     init ─> TransferRequest sent ─(Status ok + aux row room matches)─> Success
     Status failed / abort / timeout / peer lost ─> Failed; pages releasable once prefill's
         Status for the room arrived (its writes drained) or drain_timeout_s passed
+
+A prefill restarted at the same address (a crash, a reschedule) is a new process with a new
+NIXL agent; the DEALER reconnects to it by itself. It answers our requests with
+Status(reregister) and our pings with its new name: the peer registers anew, a request it never
+saw is sent again (once), and every request sent to the old agent fails at once (PEER_LOST;
+its pages drain as usual). A peer is thus keyed by address plus the agent that acked it.
 """
 
 from __future__ import annotations
@@ -56,6 +62,8 @@ class _Recv:
     receiver: KVReceiver
     init: InitCmd | None = None
     sent_at: float | None = None
+    sent_to: str = ""  # the prefill agent that was registered when the request went out
+    resent: bool = False  # re-sent once after a restarted prefill asked us to register again
 
 
 class DecodeSide(Side):
@@ -149,7 +157,14 @@ class DecodeSide(Side):
         init = rec.init
         self._send(peer, TransferRequest(rec.receiver.room, init.dst_pages.tolist(), init.aux_slot, init.skip_pages))
         rec.sent_at = now
+        rec.sent_to = peer.prefill_agent
         rec.receiver.request_sent = True
+
+    def _register_again(self, peer: _PrefillPeer, now: float) -> None:
+        if peer.registered:
+            peer.registered = False
+            peer.started = now
+            self._send(peer, self.register_msg)
 
     # ---- control messages ---------------------------------------------------------------
     def on_readable(self, sock: zmq.Socket) -> None:
@@ -171,8 +186,10 @@ class DecodeSide(Side):
             if reason is not None:
                 self._drop_peer(peer, FailureCause.LAYOUT_MISMATCH, f"prefill {peer.key[0]}:{peer.key[1]}: {reason}", now)
                 return
+            old_agent, peer.prefill_agent = peer.prefill_agent, msg.info.agent_name
             peer.registered = True
-            peer.prefill_agent = msg.info.agent_name
+            if old_agent and old_agent != peer.prefill_agent:
+                self._forget_agent(peer, old_agent, now)
             for rec in list(peer.recvs.values()):
                 rec.receiver.cell.advance(KVPoll.WaitingForInput)
                 if rec.init is not None and rec.sent_at is None:
@@ -181,16 +198,27 @@ class DecodeSide(Side):
             self._drop_peer(peer, FailureCause(msg.cause), msg.reason, now)
         elif isinstance(msg, Pong):
             if peer.prefill_agent and msg.agent_name != peer.prefill_agent:
-                self._drop_peer(peer, FailureCause.PEER_LOST, "prefill restarted (new agent)", now)
+                self.log.warning("prefill %s:%d restarted (agent %s, was %s): registering anew",
+                                 *peer.key, msg.agent_name, peer.prefill_agent)
+                self._register_again(peer, now)
         elif isinstance(msg, Status):
             self._on_status(peer, msg, now)
 
+    def _forget_agent(self, peer: _PrefillPeer, old_agent: str, now: float) -> None:
+        """The prefill at peer.key acked with a new agent: requests the old one had fail now."""
+        why = f"prefill {peer.key[0]}:{peer.key[1]} restarted (agent {old_agent} is gone)"
+        for rec in list(peer.recvs.values()):
+            if rec.sent_at is not None and rec.sent_to == old_agent:
+                self._fail(peer, rec, FailureCause.PEER_LOST, why, now, notify=False)
+
     def _on_status(self, peer: _PrefillPeer, msg: Status, now: float) -> None:
-        if msg.reregister and peer.registered:
-            peer.registered = False
-            peer.started = now
-            self._send(peer, self.register_msg)
         rec = peer.recvs.get(msg.room)
+        if msg.reregister:
+            self._register_again(peer, now)
+            if rec is not None and rec.sent_at is not None and not rec.resent:
+                rec.sent_at, rec.resent = None, True  # that prefill never saw it: send it after the ack
+                rec.receiver.request_sent = False
+                return
         if rec is None or rec.sent_at is None:
             for key, drec in self.draining:
                 if key == peer.key and drec.receiver.room == msg.room:

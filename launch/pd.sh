@@ -34,12 +34,20 @@ Model and instances:
   --decode-args "..."     extra flags for decode instances only
   --router-args "..."     extra flags for the router (see python -m router --help)
   --env K=V               set K=V in every role's environment (repeatable). UCX_*, NIXL_* and
-                          PDSERVE_* variables set when pd.sh runs are passed on as well
-                          (PDSERVE_CLUSTER_SECRET excepted: it goes through the secret file)
+                          PDSERVE_* variables set when pd.sh runs are passed on as well. A name
+                          holding KEY, SECRET, TOKEN, PASSWORD or CREDENTIAL is a secret: it
+                          reaches the roles through <log dir>/role_secrets.env (0600), never a
+                          command line. The keys and the cluster secret below are refused here
   --cluster-secret-file F the cluster secret every role proves (router -> worker HTTP, KV
                           bootstrap). Default: $PDSERVE_CLUSTER_SECRET if set, else 32 random
                           bytes per launch. Written 0600 to <log dir>/cluster_secret on every
                           host (over the exec prefix's stdin, never on a command line)
+  --api-key-file F        the key clients must send to the router (default: $PDSERVE_API_KEY;
+                          unset: open). Only the router gets it, as <log dir>/api_key (0600)
+  --admin-api-key-file F  the router's /workers key (default: $PDSERVE_ADMIN_API_KEY; unset:
+                          /workers answers 403); router only, as <log dir>/admin_api_key
+                          Every secret file pd.sh writes, here and on remote hosts, is removed
+                          when it stops; --dry-run shows their paths, never their values
 
 Single host:
   --host H                bind address of every role (default 127.0.0.1)
@@ -77,7 +85,7 @@ EOF
 
 die() { echo "pd.sh: $*" >&2; exit 2; }
 
-SECRET_SRC="" MODEL_PATH="" DTYPE="" PAGE_SIZE="" GPUS_PER_HOST=0 HOSTS_FILE="" LOG_DIR="" PY="" REPO_REMOTE="" DRY_RUN=0
+SECRET_SRC="" API_KEY_SRC="" ADMIN_KEY_SRC="" MODEL_PATH="" DTYPE="" PAGE_SIZE="" GPUS_PER_HOST=0 HOSTS_FILE="" LOG_DIR="" PY="" REPO_REMOTE="" DRY_RUN=0
 HOST=127.0.0.1 ROUTER_PORT=30000 NUM_PREFILL=1 NUM_DECODE=1 NUM_COLOCATED=0
 PREFILL_PORT=30100 DECODE_PORT=30200 BOOTSTRAP_PORT=8998
 START_TIMEOUT=600 STOP_TIMEOUT=20 CMD_TIMEOUT=60
@@ -100,6 +108,8 @@ while (($#)); do
         --router-args) read -r -a ROUTER_ARGS <<< "$v" ;;
         --env) ROLE_ENV+=("$v") ;;
         --cluster-secret-file) SECRET_SRC=$v ;;
+        --api-key-file) API_KEY_SRC=$v ;;
+        --admin-api-key-file) ADMIN_KEY_SRC=$v ;;
         --host) HOST=$v ;;
         --port) ROUTER_PORT=$v ;;
         --num-prefill) NUM_PREFILL=$v ;;
@@ -134,13 +144,32 @@ if [[ -z $PY ]]; then
 fi
 LOG_DIR=${LOG_DIR:-logs/pd-$(date +%Y%m%d-%H%M%S)-$$}
 [[ $LOG_DIR == /* ]] || LOG_DIR=$PWD/$LOG_DIR
-SECRET_FILE=$LOG_DIR/cluster_secret
-for kv in "${ROLE_ENV[@]}"; do [[ $kv != PDSERVE_CLUSTER_SECRET=* ]] || die "pass the secret with --cluster-secret-file, not --env"; done
+SECRET_FILE=$LOG_DIR/cluster_secret API_KEY_FILE="" ADMIN_KEY_FILE="" SECRET_ENV_FILE=""
+KEY_VARS=" PDSERVE_CLUSTER_SECRET PDSERVE_API_KEY PDSERVE_ADMIN_API_KEY "
+for kv in "${ROLE_ENV[@]}"; do
+    [[ $KEY_VARS != *" ${kv%%=*} "* ]] \
+        || die "pass ${kv%%=*} as a file (--cluster-secret-file, --api-key-file, --admin-api-key-file) or inherited, not --env"
+done
+for a in "${ROUTER_ARGS[@]}" "${INSTANCE_ARGS[@]}" "${PREFILL_ARGS[@]}" "${DECODE_ARGS[@]}"; do
+    case $a in
+        --api-key | --api-key=* | --admin-api-key | --admin-api-key=*)
+            die "${a%%=*} would put the key on a command line: use ${a%%=*}-file (or \$PDSERVE_API_KEY / \$PDSERVE_ADMIN_API_KEY)" ;;
+    esac
+done
 for v in $(compgen -e); do
     [[ $v == UCX_* || $v == NIXL_* || $v == PDSERVE_* ]] && [[ $v != PDSERVE_EXEC_PREFIX_TEMPLATE ]] \
-        && [[ $v != PDSERVE_CLUSTER_SECRET ]] \
+        && [[ $KEY_VARS != *" $v "* ]] \
         && ROLE_ENV=("$v=${!v}" "${ROLE_ENV[@]}")
 done
+is_secret_name() { local n=${1^^}; [[ $n == *KEY* || $n == *SECRET* || $n == *TOKEN* || $n == *PASSWORD* || $n == *CREDENTIAL* ]]; }
+SECRET_ENV=() plain=()
+for kv in "${ROLE_ENV[@]}"; do
+    if is_secret_name "${kv%%=*}"; then SECRET_ENV+=("$kv"); else plain+=("$kv"); fi
+done
+ROLE_ENV=("${plain[@]}")
+((${#SECRET_ENV[@]})) && SECRET_ENV_FILE=$LOG_DIR/role_secrets.env
+[[ -n $API_KEY_SRC || -n ${PDSERVE_API_KEY:-} ]] && API_KEY_FILE=$LOG_DIR/api_key
+[[ -n $ADMIN_KEY_SRC || -n ${PDSERVE_ADMIN_API_KEY:-} ]] && ADMIN_KEY_FILE=$LOG_DIR/admin_api_key
 
 # ---- the role table ------------------------------------------------------------------------
 ROLE_NAME=() ROLE_KIND=() ROLE_HOST=() ROLE_PORT=() ROLE_BPORT=() ROLE_REMOTE=() ROLE_LOG=() ROLE_PID=() ROLE_GPU=()
@@ -228,7 +257,35 @@ if ((DRY_RUN)); then
 fi
 
 # ---- start, wait, serve, stop --------------------------------------------------------------
-STOPPING=0
+STOPPING=0 SECRET_FILES=()
+write_secret() {
+    # write_secret FILE VALUE I...: FILE (0600) here and on the hosts of roles I..., its value on
+    # stdin (printf is a builtin, the script travels on the exec prefix's stdin): never in ps
+    local file=$1 value=$2 i h
+    shift 2
+    local -A on=()
+    SECRET_FILES+=("$file")
+    (umask 077 && printf '%s' "$value" > "$file") || die "cannot write $file"
+    for i in "$@"; do
+        h=${ROLE_HOST[$i]}
+        [[ ${ROLE_REMOTE[$i]} == 1 && -z ${on[$h]:-} ]] || continue
+        on[$h]=1
+        on_host "$i" "umask 077 && mkdir -p $(q "$LOG_DIR") && printf '%s' $(q "$value") > $(q "$file")" >/dev/null \
+            || die "could not write $file on $h"
+    done
+}
+remove_secrets() {
+    ((${#SECRET_FILES[@]})) || return 0
+    local i script="rm -f" f
+    local -A on=()
+    for f in "${SECRET_FILES[@]}"; do script+=" $(q "$f")"; done
+    rm -f "${SECRET_FILES[@]}"
+    for i in "${!ROLE_KIND[@]}"; do
+        [[ ${ROLE_REMOTE[$i]} == 1 && -z ${on[${ROLE_HOST[$i]}]:-} ]] || continue
+        on[${ROLE_HOST[$i]}]=1
+        on_host "$i" "$script" >/dev/null 2>&1 || echo "pd.sh: could not remove the secret files on ${ROLE_HOST[$i]}" >&2
+    done
+}
 cleanup() {
     ((STOPPING)) && return
     STOPPING=1
@@ -245,6 +302,7 @@ cleanup() {
     for i in "${!ROLE_KIND[@]}"; do
         [[ ${ROLE_REMOTE[$i]} == 1 || -z ${ROLE_PID[$i]:-} ]] || wait "${ROLE_PID[$i]}" 2>/dev/null
     done
+    remove_secrets
     echo "pd.sh: stopped (logs in $LOG_DIR)" >&2
 }
 on_signal() { echo "pd.sh: $1, stopping" >&2; cleanup; exit "$2"; }
@@ -290,16 +348,29 @@ else
     SECRET=$(od -An -tx1 -N32 /dev/urandom | tr -d ' \n')
 fi
 ((${#SECRET} >= 16)) || die "the cluster secret must be at least 16 characters"
-(umask 077 && printf '%s' "$SECRET" > "$SECRET_FILE") || die "cannot write $SECRET_FILE"
-declare -A secret_on=()
-for i in "${!ROLE_KIND[@]}"; do  # printf is a builtin and the script travels on stdin: never in ps
-    h=${ROLE_HOST[$i]}
-    [[ ${ROLE_REMOTE[$i]} == 1 && -z ${secret_on[$h]:-} ]] || continue
-    secret_on[$h]=1
-    on_host "$i" "umask 077 && mkdir -p $(q "$LOG_DIR") && printf '%s' $(q "$SECRET") > $(q "$SECRET_FILE")" >/dev/null \
-        || die "could not write the cluster secret on $h"
-done
+write_secret "$SECRET_FILE" "$SECRET" "${!ROLE_KIND[@]}"
 unset SECRET
+for f in "$API_KEY_SRC" "$ADMIN_KEY_SRC"; do [[ -z $f || -r $f ]] || die "cannot read the key file $f"; done
+read_key() {  # read_key FILE_FLAG_VALUE ENV_VALUE: the key from the file, else the inherited value
+    if [[ -n $1 ]]; then
+        local k
+        k=$(<"$1")
+        printf '%s' "${k%$'\n'}"
+    else printf '%s' "$2"; fi
+}
+if [[ -n $API_KEY_FILE ]]; then
+    write_secret "$API_KEY_FILE" "$(read_key "$API_KEY_SRC" "${PDSERVE_API_KEY:-}")" "$ROUTER"
+fi
+if [[ -n $ADMIN_KEY_FILE ]]; then
+    write_secret "$ADMIN_KEY_FILE" "$(read_key "$ADMIN_KEY_SRC" "${PDSERVE_ADMIN_API_KEY:-}")" "$ROUTER"
+fi
+unset PDSERVE_API_KEY PDSERVE_ADMIN_API_KEY PDSERVE_CLUSTER_SECRET  # roles inherit none of them from here
+if [[ -n $SECRET_ENV_FILE ]]; then
+    env_script=""
+    for kv in "${SECRET_ENV[@]}"; do env_script+="export ${kv%%=*}=$(q "${kv#*=}")"$'\n'; done
+    write_secret "$SECRET_ENV_FILE" "$env_script" "${!ROLE_KIND[@]}"
+    unset env_script
+fi
 if [[ -z $MODEL_PATH ]]; then
     declare -A seen=()
     for i in "${!ROLE_KIND[@]}"; do

@@ -33,6 +33,8 @@ role_words() {
             esac
         done
         argv+=("${ROUTER_ARGS[@]}" --cluster-secret-file "$SECRET_FILE")
+        [[ -n $API_KEY_FILE ]] && argv+=(--api-key-file "$API_KEY_FILE")
+        [[ -n $ADMIN_KEY_FILE ]] && argv+=(--admin-api-key-file "$ADMIN_KEY_FILE")
     else
         local module=${kind}_server
         [[ $kind == colocated ]] && module=common.server
@@ -53,7 +55,9 @@ role_words() {
 
 role_cmd() {
     local cmd word
-    cmd="cd $(q "$REPO_REMOTE") && exec env"
+    cmd="cd $(q "$REPO_REMOTE") && "
+    [[ -n $SECRET_ENV_FILE ]] && cmd+="set -a && . $(q "$SECRET_ENV_FILE") && set +a && "
+    cmd+="exec env"
     for word in "${ROLE_ENV[@]}"; do cmd+=" $(q "$word")"; done
     while IFS= read -r word; do cmd+=" $(q "$word")"; done < <(role_words "$1")
     printf '%s' "$cmd"

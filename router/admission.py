@@ -4,13 +4,15 @@
       no one waiting and some decode has room    -> go at once
       --max-queued-requests already waiting      -> 503 + Retry-After at once
       else wait (FIFO) until the head finds room -> go
-           --queue-timeout passed first          -> 503 + Retry-After
+           --queue-timeout passed first          -> 503 + Retry-After (opt-in; default no limit)
     notify()   a request finished or load reports arrived: the head re-checks
 
 A decode has room for a request when the router's in-flight requests on it are below its
 reported max_running_requests and its predicted free KV tokens (report minus what this router
 sent since) cover the request's prompt + max_new_tokens. A worker without a load report has
-room (as before reports existed); with no routable decode at all nothing waits here (the
+room (as before reports existed), and so does one whose last report failed or timed out
+(router/live_load.py: its free KV is unknown, only the request-count bound holds): a missing
+report never reads as "no room". With no routable decode at all nothing waits here (the
 dispatcher answers 503 no_healthy_worker). The check and the pick run with no await in between,
 so a woken request takes its room before any other task looks.
 """

@@ -3,8 +3,9 @@
     python -m router --model-path DIR --prefill URL [BOOTSTRAP_PORT] ... --decode URL ...
     python -m router --model-path DIR --worker URL ...            (colocated baseline)
 
-`RouterConfig.from_args(argv)` parses and validates once; the environment is read only
-for the keys' defaults (PDSERVE_API_KEY, PDSERVE_ADMIN_API_KEY, like vLLM's VLLM_API_KEY). A prefill worker's bootstrap port may be omitted: the router then
+`RouterConfig.from_args(argv)` parses and validates once; the keys come from --api-key-file /
+--admin-api-key-file, else the environment (PDSERVE_API_KEY, PDSERVE_ADMIN_API_KEY, like vLLM's
+VLLM_API_KEY), never needing the command line (common.secret_file). A prefill worker's bootstrap port may be omitted: the router then
 learns it from the worker's `/server_info` before routing to it. Every health
 timing is read from one derived record, `RouterConfig.health` (HealthConfig).
 """
@@ -13,11 +14,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
 from dataclasses import dataclass, field
 from typing import Literal
 from urllib.parse import urlsplit
 
+from common.secret_file import resolve_secret
 from common.server.conn_limits import DEFAULT_HEADER_TIMEOUT_S
 from common.server.liveness import HEALTH_ANSWER_BOUND_S
 
@@ -90,7 +91,8 @@ class RouterConfig:
     max_retries: int = 3
     max_migrations: int = 1  # a stream whose decode fails after the first byte moves to a new pair (0: off)
     max_queued_requests: int = 1024  # requests waiting for a decode with room; beyond it 503 at once
-    queue_timeout: float = 60.0  # seconds a request may wait for room, then 503
+    queue_timeout: float | None = None  # seconds a request may wait for room, then 503 (None: the client decides)
+    kv_event_wait: float = 0.05  # a session's turn waits this long at most for its last turn's KV event (0: never)
     load_report_interval: float = 0.25  # seconds between GET /get_load rounds (0: no load reports)
     retry_backoff_initial: float = 0.02
     retry_backoff_max: float = 1.0
@@ -161,7 +163,9 @@ class RouterConfig:
                 raise ValueError(f"{name} must be one of {POLICIES}, got {getattr(self, name)!r}")
         if self.max_migrations < 0 or self.max_queued_requests < 0 or self.load_report_interval < 0:
             raise ValueError("max_migrations, max_queued_requests and load_report_interval must be >= 0")
-        if self.queue_timeout <= 0:
+        if self.kv_event_wait < 0:
+            raise ValueError("kv_event_wait must be >= 0")
+        if self.queue_timeout is not None and self.queue_timeout <= 0:
             raise ValueError("queue_timeout must be > 0")
         if self.max_retries < 0 or self.request_timeout <= 0 or self.health_check_interval <= 0:
             raise ValueError("max_retries must be >= 0, request_timeout and health_check_interval > 0")
@@ -207,6 +211,10 @@ class RouterConfig:
     def from_args(cls, argv: list[str] | None = None) -> RouterConfig:
         ns = build_parser().parse_args(argv)
         values = vars(ns)
+        values["api_key"] = resolve_secret("--api-key", values["api_key"], values.pop("api_key_file"),
+                                           "PDSERVE_API_KEY")
+        values["admin_api_key"] = resolve_secret("--admin-api-key", values["admin_api_key"],
+                                                 values.pop("admin_api_key_file"), "PDSERVE_ADMIN_API_KEY")
         policy = values.pop("policy")
         for role in ("prefill", "decode"):
             if values[f"{role}_policy"] is None:
@@ -272,10 +280,13 @@ def build_parser() -> argparse.ArgumentParser:
         "breaker_open_seconds",
         "cache_threshold",
         "balance_rel_threshold",
-        "queue_timeout",
         "load_report_interval",
+        "kv_event_wait",
     ):
         p.add_argument("--" + name.replace("_", "-"), type=float, default=d[name])
+    p.add_argument("--queue-timeout", type=float, default=d["queue_timeout"],
+                   help="seconds a request may wait in the router's queue for a decode with room, then 503 "
+                        "(default: no limit, as SGLang and vLLM; the client's own timeout decides)")
     for name in (
         "max_retries",
         "max_migrations",
@@ -304,11 +315,16 @@ def build_parser() -> argparse.ArgumentParser:
                    help="serve a non-loopback --host without a cluster secret (refused otherwise)")
     p.add_argument("--max-prompt-chars", type=int, default=d["max_prompt_chars"],
                    help="longest prompt in characters, refused before tokenizing (default: 32 x context length)")
-    p.add_argument("--api-key", default=os.environ.get("PDSERVE_API_KEY") or None,
-                   help="clients must send 'Authorization: Bearer KEY' on /v1/* and /generate "
-                        "(default: $PDSERVE_API_KEY; unset: open)")
-    p.add_argument("--admin-api-key", default=os.environ.get("PDSERVE_ADMIN_API_KEY") or None,
-                   help="key for GET/POST/DELETE /workers (default: $PDSERVE_ADMIN_API_KEY; unset: those answer 403)")
+    p.add_argument("--api-key-file", default=None,
+                   help="file holding the key clients must send as 'Authorization: Bearer KEY' on /v1/* and "
+                        "/generate (default: $PDSERVE_API_KEY; unset: open)")
+    p.add_argument("--admin-api-key-file", default=None,
+                   help="file holding the key for GET/POST/DELETE /workers (default: $PDSERVE_ADMIN_API_KEY; "
+                        "unset: those answer 403)")
+    p.add_argument("--api-key", default=None,
+                   help="the client key itself (SGLang's flag; visible in `ps`: prefer --api-key-file)")
+    p.add_argument("--admin-api-key", default=None,
+                   help="the admin key itself (visible in `ps`: prefer --admin-api-key-file)")
     p.add_argument("--log-level", default=d["log_level"])
     _add_discovery_flags(p)
     return p

@@ -41,6 +41,7 @@ from router.migration import Migration
 from router.pair_choice import PairChooser
 from router.plan import GenerationPlan
 from router.registry import WorkerRegistry
+from router.turn_events import PendingTurn, PendingTurns
 from router.upstream import Attempt, WorkerEvent
 
 logger = logging.getLogger("router.dispatch")
@@ -108,6 +109,8 @@ class Dispatcher:
         self.metrics = metrics
         self.admission = admission
         self.pairs = PairChooser(cfg, registry, kv_indexes.cached_tokens)
+        self.kv_indexes = kv_indexes
+        self.pending_turns = PendingTurns()
         self.client: HttpClient | None = None
         self.background: set[asyncio.Task[Any]] = set()
 
@@ -162,6 +165,7 @@ class Dispatcher:
         migration = Migration(plan, self.cfg.max_migrations)
         retries = 0
         await self.admission.admit(plan)
+        await self._await_last_turn(plan)
         while True:
             try:
                 decode, prefill = self._pick(migration.plan, frozenset(exclude))
@@ -184,6 +188,7 @@ class Dispatcher:
                     if qsize() > backlog:
                         raise BacklogExceeded(backlog)
                 ok = True
+                self._turn_ended(migration, decode.url)
                 return
             except UpstreamError as e:
                 attempt.fail(e)
@@ -209,6 +214,23 @@ class Dispatcher:
                 self.admission.notify()
             await asyncio.sleep(self._backoff(retries))
             retries += 1
+
+    async def _await_last_turn(self, plan: GenerationPlan) -> None:
+        """A session's turn waits (bounded) until its last turn's pages are in decode's index."""
+        if plan.session_id is None or self.cfg.kv_event_wait <= 0:
+            return
+        turn = self.pending_turns.take(plan.session_id)
+        if turn is not None:
+            await self.kv_indexes.wait_for_page(turn.decode_url, turn.page_hash, self.cfg.kv_event_wait)
+
+    def _turn_ended(self, migration: Migration, decode_url: str) -> None:
+        plan = migration.origin
+        if plan.session_id is None or self.cfg.kv_event_wait <= 0 or not migration.generated:
+            return
+        cached = [*plan.input_ids, *migration.generated[:-1]]  # the last token has no KV yet
+        page = self.kv_indexes.last_page_hash(decode_url, cached)
+        if page is not None:
+            self.pending_turns.ended(plan.session_id, PendingTurn(decode_url, page))
 
     def _pick(self, plan: GenerationPlan, exclude: frozenset[str]) -> tuple[Any, Any]:
         room = partial(has_room, tokens=len(plan.input_ids) + plan.max_new_tokens)

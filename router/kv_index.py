@@ -81,6 +81,7 @@ class _Subscription:
     index: WorkerKVIndex
     task: asyncio.Task[None]
     since: float  # monotonic time of subscribing
+    applied: asyncio.Event  # set (and replaced) after each message applied: wakes wait_for_page
 
 
 MAX_SNAPSHOT_BYTES = 256 << 20  # 32M pages' hashes
@@ -105,7 +106,7 @@ class KVIndexes:
             if url not in self._subs and endpoint is not None:
                 index = WorkerKVIndex()
                 task = asyncio.ensure_future(self._follow(url, endpoint, index))
-                self._subs[url] = _Subscription(endpoint, index, task, time.monotonic())
+                self._subs[url] = _Subscription(endpoint, index, task, time.monotonic(), asyncio.Event())
 
     def describe(self, url: str) -> dict[str, object] | None:
         """For GET /workers: None when the worker publishes no KV events (or is not followed yet)."""
@@ -143,6 +144,34 @@ class KVIndexes:
             memo[ps] = PromptHashes(input_ids, ps)
         return index.cached_pages(memo[ps]) * ps
 
+    def last_page_hash(self, url: str, tokens: Sequence[int]) -> int | None:
+        """Chain hash of the last whole page of `tokens` in the worker's page size; None when the
+        worker is not followed (or not in sync) or `tokens` fill no page."""
+        index = self.index(url)
+        if index is None or index.page_size <= 0 or len(tokens) < index.page_size:
+            return None
+        prompt = PromptHashes(tokens, index.page_size)
+        return prompt[prompt.num_pages - 1]
+
+    async def wait_for_page(self, url: str, page_hash: int, timeout_s: float) -> bool:
+        """Until the worker's index holds `page_hash` (True), at most timeout_s (False); at once
+        when the worker is not followed or its index is out of sync (nothing to wait for)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            sub = self._subs.get(url)
+            index = self.index(url)
+            if sub is None or index is None:
+                return False
+            if page_hash in index.hashes:
+                return True
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            try:
+                await asyncio.wait_for(sub.applied.wait(), left)
+            except TimeoutError:
+                return False
+
     async def _follow(self, url: str, endpoint: str, index: WorkerKVIndex) -> None:
         sock = self._ctx.socket(zmq.SUB)
         sock.setsockopt(zmq.LINGER, 0)
@@ -157,6 +186,10 @@ class KVIndexes:
                     index.apply(self._decoder.decode(raw), time.monotonic())
                 except msgspec.DecodeError as e:
                     logger.warning("bad KV event from %s: %s", url, e)
+                sub = self._subs.get(url)
+                if sub is not None and sub.index is index:
+                    done, sub.applied = sub.applied, asyncio.Event()
+                    done.set()
         finally:
             sock.close(0)
 

@@ -25,6 +25,11 @@ class LiveLoad:
         self.sent_tokens = 0  # prompt (prefill) or reservation (decode) tokens sent since asked_at
         self.sent_reqs = 0
         self.prefill_rate: float | None = None  # prompt tokens per second of busy engine time
+        self.stale = False  # the last round's report failed: free KV unknown until the next one
+
+    def fail(self) -> None:
+        """This round's report did not arrive (error, timeout, bad body)."""
+        self.stale = True
 
     def on_dispatch(self, tokens: int) -> None:
         self.sent_tokens += tokens
@@ -40,6 +45,7 @@ class LiveLoad:
                 r = self.prefill_rate
                 self.prefill_rate = sample if r is None else (1 - RATE_SMOOTHING) * r + RATE_SMOOTHING * sample
         self.report = report
+        self.stale = False
         self.asked_at = asked_at
         self.sent_tokens = sent_tokens
         self.sent_reqs = sent_reqs
@@ -51,8 +57,8 @@ class LiveLoad:
 
     @property
     def free_kv_tokens(self) -> int | None:
-        """KV tokens free for new reservations, as predicted; None: unknown."""
-        if self.report is None:
+        """KV tokens free for new reservations, as predicted; None: unknown (no report, or stale)."""
+        if self.report is None or self.stale:
             return None
         return self.report.kv_free_tokens - self.sent_tokens
 
@@ -60,4 +66,4 @@ class LiveLoad:
         if self.report is None:
             return None
         return {**msgspec.structs.asdict(self.report), "age_s": round(time.monotonic() - self.asked_at, 3),
-                "sent_since": self.sent_reqs, "prefill_rate": self.prefill_rate}
+                "sent_since": self.sent_reqs, "prefill_rate": self.prefill_rate, "stale": self.stale}

@@ -63,16 +63,19 @@ class LoadMonitor:
         try:
             resp = await self._client.get(w.url + "/get_load")
         except httpx.HTTPError:
-            return  # the health checker judges the worker; the last report stays until the next round
+            w.live.fail()  # the health checker judges the worker; free KV is unknown until a report lands
+            return
         if resp.status_code == 404:
             self.unsupported.add(w.url)
             logger.info("worker %s has no /get_load: routed by this router's in-flight counts", w.url)
             return
         if resp.status_code != 200:
+            w.live.fail()
             return
         try:
             report = _DECODER.decode(resp.content)
         except msgspec.DecodeError:
+            w.live.fail()
             return
         # what was sent while the report was in flight may not be in it: keep counting that
         w.live.apply(report, asked_at, w.live.sent_tokens - sent[0], w.live.sent_reqs - sent[1])

@@ -18,6 +18,7 @@ import signal
 import time
 
 from common.engine_core import EngineCore, build_engine_core
+from common.scheduler import step_fault
 from common.scheduler.req import Req
 from common.scheduler.role import COLOCATED, RoleSpec
 from common.scheduler.scheduler import RequestRejected
@@ -32,7 +33,7 @@ from common.server.io_struct import (
     TokenOut,
 )
 from common.server.ipc import EngineChannel, EngineIpcAddrs
-from common.server.liveness import StepClock, step_clock_path, stepping
+from common.server.liveness import StepClock, busy, step_clock_path
 from common.server.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
@@ -98,6 +99,8 @@ class EngineLoop:
 
     def handle(self, msg: object) -> None:
         if isinstance(msg, GenerateReq):
+            if msg.bootstrap is not None:
+                step_fault.at_point("bootstrap")
             try:
                 self.scheduler.add_request(self.make_req(msg))
             except RequestRejected as e:
@@ -133,12 +136,17 @@ class EngineLoop:
                 else:
                     wait = IDLE_WAIT_S
                 for msg in self.channel.recv_requests(wait):
-                    self.handle(msg)
-                self.core.run_iteration(lambda: stepping(step_clock))
+                    with busy(step_clock, _intake_phase(msg)):
+                        self.handle(msg)
+                self.core.run_iteration(lambda name: busy(step_clock, name))
                 if not self._peers_alive():
                     break
         finally:
             self.shutdown()
+
+
+def _intake_phase(msg: object) -> str:
+    return "bootstrap handling" if isinstance(msg, GenerateReq) and msg.bootstrap is not None else "request intake"
 
 
 def engine_main(args: ServerArgs, addrs: EngineIpcAddrs, role: RoleSpec = COLOCATED) -> None:

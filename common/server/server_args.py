@@ -319,7 +319,7 @@ _HELP: dict[str, str] = {
     "disaggregation_fault_spec": "test-only fault injection spec",
     "log_level": "logging level of both processes",
     "watchdog_timeout": "seconds one engine step may run before the engine counts as hung: /health turns 503 and the instance exits",
-    "engine_fault_spec": "test-only: make forward steps slow or hang (common/scheduler/step_fault.py)",
+    "engine_fault_spec": "test-only: make forward steps, transfer polls or bootstrap handling slow or hang (common/scheduler/step_fault.py)",
     "engine_start_timeout": "seconds to wait for the engine to load the model and report ready",
     "graceful_shutdown_timeout": "on SIGTERM: seconds in-flight requests may take to finish (new connections are refused at once)",
 }

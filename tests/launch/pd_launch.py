@@ -17,7 +17,7 @@ from pathlib import Path
 
 from tests.harness.process import REPO_ROOT, ChildProcess
 
-__all__ = ["PD_SH", "READY_MARK", "REPO_ROOT", "RoleRecord", "PdLaunch", "group_alive"]
+__all__ = ["PD_SH", "READY_MARK", "REPO_ROOT", "RoleRecord", "PdLaunch", "group_alive", "group_procs"]
 
 PD_SH = REPO_ROOT / "launch" / "pd.sh"
 READY_MARK = "pd.sh: READY"
@@ -45,6 +45,21 @@ def group_alive(pgid: int) -> bool:
         if int(fields[2]) == pgid and fields[0] != "Z":
             return True
     return False
+
+
+def group_procs(pgids: set[int]) -> dict[int, tuple[bytes, bytes]]:
+    """Every live process of the groups `pgids`: pid -> (cmdline, environ), NUL-separated bytes."""
+    out = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            if int(fields[2]) in pgids and fields[0] != "Z":
+                out[int(entry.name)] = ((entry / "cmdline").read_bytes(), (entry / "environ").read_bytes())
+        except OSError:
+            continue
+    return out
 
 
 class PdLaunch:

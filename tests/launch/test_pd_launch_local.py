@@ -12,7 +12,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.launch.pd_launch import PD_SH, REPO_ROOT, PdLaunch
+from tests.launch.pd_launch import PD_SH, REPO_ROOT, PdLaunch, group_procs
 from tests.server.server_procs import free_port
 
 LIGHT_INSTANCE = "--device cpu --max-total-tokens 2048 --log-level warning"
@@ -55,14 +55,41 @@ def test_pd_sh_serves_openai_and_sigterm_stops_everything(
     import openai
 
     ports = local_ports()
-    run = PdLaunch(local_args(tiny_llama_path, ports), tmp_path / "logs")
+    api_key, admin_key, token = "client-key-" + "a" * 20, "admin-key-" + "b" * 20, "hf-token-" + "c" * 20
+    admin_file = tmp_path / "admin.key"
+    admin_file.write_text(admin_key + "\n")
+    admin_file.chmod(0o600)
+    run = PdLaunch(local_args(tiny_llama_path, ports, "--admin-api-key-file", str(admin_file)), tmp_path / "logs",
+                   env={"PDSERVE_API_KEY": api_key, "PDSERVE_HF_TOKEN": token})
     launches.append(run)
     run.wait_ready()
     out = run.output()
     url = f"http://127.0.0.1:{ports['--port']}"
     assert f"router at {url}" in out and f"curl {url}/v1/chat/completions" in out
 
-    client = openai.OpenAI(base_url=url + "/v1", api_key="none", timeout=120.0, max_retries=0)
+    # No secret on any command line pd.sh started (or its own); the keys reach only the router,
+    # as 0600 files; a secret-named variable reaches every role through its environment.
+    logs = tmp_path / "logs"
+    secret = (logs / "cluster_secret").read_text()
+    procs = group_procs({r.pid for r in run.roles()} | {run.proc.pid})
+    assert len(procs) >= 4
+    for pid, (cmdline, environ) in procs.items():
+        for value in (secret, api_key, admin_key, token):
+            assert value.encode() not in cmdline, cmdline
+        if pid != run.proc.pid:  # pd.sh's own environment is where the test put the key
+            assert api_key.encode() not in environ and admin_key.encode() not in environ, cmdline
+    role_env = {r.name: procs[r.pid][1] for r in run.roles()}
+    assert all(f"PDSERVE_HF_TOKEN={token}".encode() in e.split(b"\0") for e in role_env.values())
+    for name in ("api_key", "admin_api_key", "role_secrets.env"):
+        assert (logs / name).stat().st_mode & 0o777 == 0o600, name
+    assert (logs / "api_key").read_text() == api_key and (logs / "admin_api_key").read_text() == admin_key
+    router_cmd = procs[next(r.pid for r in run.roles() if r.name == "router")][0]
+    assert b"--api-key-file\0" in router_cmd and b"--admin-api-key-file\0" in router_cmd
+    assert all(b"api-key" not in procs[r.pid][0] for r in run.roles() if r.name != "router")
+    assert httpx.get(url + "/v1/models", timeout=10).status_code == 401
+    assert httpx.get(url + "/workers", timeout=10, headers={"Authorization": f"Bearer {admin_key}"}).status_code == 200
+
+    client = openai.OpenAI(base_url=url + "/v1", api_key=api_key, timeout=120.0, max_retries=0)
     chat = client.chat.completions.create(
         model=tiny_llama_path,
         messages=[{"role": "user", "content": "Hello there"}],
@@ -79,7 +106,6 @@ def test_pd_sh_serves_openai_and_sigterm_stops_everything(
     # Secure with no extra flag: one secret per launch, 0600, on no command line; workers need it.
     secret_file = tmp_path / "logs" / "cluster_secret"
     assert secret_file.stat().st_mode & 0o777 == 0o600
-    secret = secret_file.read_text()
     assert len(secret) == 64
     ps = subprocess.run(["ps", "-eww", "-o", "args"], capture_output=True, text=True, timeout=30).stdout
     assert secret not in ps and str(secret_file) in ps
@@ -98,6 +124,8 @@ def test_pd_sh_serves_openai_and_sigterm_stops_everything(
     assert run.live_groups() == []
     assert all(port_free(p) for p in ports.values()), ports
     assert "pd.sh: stopped" in run.output()
+    assert not [f.name for f in logs.iterdir() if f.name in ("cluster_secret", "api_key", "admin_api_key",
+                                                             "role_secrets.env")], "a secret file outlived pd.sh"
 
 
 def test_pd_sh_fails_fast_with_the_log_tail_of_a_broken_role(
@@ -187,6 +215,9 @@ def test_ssh_and_exec_hook_run_the_same_role_command(tmp_path: Path) -> None:
         (["--num-decode", "0"], "at least one prefill and one decode"),
         (["--port", "x1"], "--port must be a non-negative integer"),
         (["--env", "NOEQUALS"], "--env takes KEY=VALUE"),
+        (["--env", "PDSERVE_API_KEY=k" * 8], "pass PDSERVE_API_KEY as a file"),
+        (["--router-args", "--api-key k"], "--api-key would put the key on a command line"),
+        (["--router-args", "--admin-api-key=k"], "--admin-api-key would put the key on a command line"),
     ],
 )
 def test_bad_flags_exit_2_before_starting_anything(args: list[str], message: str, tmp_path: Path) -> None:
@@ -198,6 +229,25 @@ def test_bad_flags_exit_2_before_starting_anything(args: list[str], message: str
         timeout=30,
     )
     assert res.returncode == 2 and message in res.stderr, res.stderr
+
+
+def test_dry_run_names_secret_files_never_their_values(tmp_path: Path) -> None:
+    key = tmp_path / "client.key"
+    key.write_text("the-client-key-value")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("UCX_", "NIXL_", "PDSERVE_"))}
+    res = subprocess.run(
+        ["bash", str(PD_SH), "--dry-run", "--model-path", "/m", "--log-dir", str(tmp_path / "l"), "--api-key-file",
+         str(key), "--env", "HF_TOKEN=the-token-value"],
+        cwd=REPO_ROOT, capture_output=True, text=True, timeout=30,
+        env={**env, "PDSERVE_ADMIN_API_KEY": "the-admin-key-value"},
+    )
+    assert res.returncode == 0, res.stderr
+    assert "value" not in res.stdout + res.stderr
+    cmds = dict(zip([line.split()[0] for line in res.stdout.splitlines()[::2]], res.stdout.splitlines()[1::2],
+                    strict=True))
+    assert f"--api-key-file {tmp_path}/l/api_key --admin-api-key-file {tmp_path}/l/admin_api_key" in cmds["router"]
+    assert all("api-key" not in c for name, c in cmds.items() if name != "router")
+    assert all(f". {tmp_path}/l/role_secrets.env" in c for c in cmds.values())
 
 
 def test_bad_hosts_file_lines_are_named(tmp_path: Path) -> None:

@@ -115,6 +115,7 @@ def test_pd_sh_runs_roles_on_three_hosts_and_moves_kv_over_tcp(
 
         assert run.stop() == 143
         assert run.live_groups() == []
+        assert not (tmp_path / "logs" / "cluster_secret").exists(), "pd.sh left the secret behind"
         for i in (ROUTER, PREFILL, DECODE):
             listening = lab.run_in(lab.addr(i), ["ss", "-Htln"]).stdout
             assert listening.strip() == "", (lab.addr(i), listening)

@@ -75,7 +75,7 @@ def cluster(tiny_llama_path: str) -> Iterator[Cluster]:
         for inst in (prefill, *decodes):
             inst.wait_healthy()
         args = ["--prefill", prefill.url, str(prefill.bootstrap_port), "--decode-policy", "round_robin",
-                "--health-check-interval", "0.3"]
+                "--health-check-interval", "0.3", "--kv-event-wait", "2"]  # generous: a loaded box
         for d in decodes:
             args += ["--decode", d.url]
         router = RouterProc(model, args)
@@ -95,9 +95,10 @@ def cluster(tiny_llama_path: str) -> Iterator[Cluster]:
             inst.stop()
 
 
-def _generate(c: Cluster, prompt: list[int], session: str | None) -> tuple[list[int], str]:
+def _generate(c: Cluster, prompt: list[int], session: str | None, *, wait_index: bool = True) -> tuple[list[int], str]:
     """One greedy request through the router; returns its tokens and the decode that served it, once
-    the router's index of that decode has taken in what the request left in its cache."""
+    the router's index of that decode has taken in what the request left in its cache (with
+    wait_index; else at once, as a chat client that sends its next turn the instant one ends)."""
     before = c.workers()
     headers = {"x-session-id": session} if session else {}
     body = {"input_ids": prompt, "sampling_params": {"max_new_tokens": MAX_NEW, "temperature": 0, "ignore_eos": True}}
@@ -108,6 +109,8 @@ def _generate(c: Cluster, prompt: list[int], session: str | None) -> tuple[list[
     assert len(served) == 1, served
     url = served[0]
     seq0 = before[url]["kv_index"]["seq"]
+    if not wait_index:
+        return r.json()["output_ids"], url
     assert wait_until(lambda: c.workers()[url]["kv_index"]["seq"] > seq0, 10), "no KV event after the request"
     return r.json()["output_ids"], url
 
@@ -148,3 +151,22 @@ def test_sessions_stay_on_their_decode_and_skip_prefill(cluster: Cluster, tiny_l
         return all(i.stat("kv_pages_in_use") == 0 and i.stat("num_running_reqs") == 0
                    for i in (c.prefill, *c.decodes))
     assert wait_until(whole, 20), "pools not whole"
+
+
+def test_back_to_back_turns_wait_for_their_kv_event(cluster: Cluster, tiny_llama_path: str) -> None:
+    """Each next turn is sent the instant the last one answered: the router waits (bounded,
+    --kv-event-wait) for the last turn's KV event, so every later turn is still served by its
+    decode alone (issue 41: 1 in 8 used to be prefilled again)."""
+    rng = random.Random(33)
+    c = cluster
+    choices_before = c.choices()
+    sessions = {f"fast-{i}": [rng.randrange(3, VOCAB) for _ in range(80)] for i in range(3)}
+    turns = 4
+    for turn in range(turns):
+        for sid, prompt in sessions.items():
+            out, _ = _generate(c, prompt, sid, wait_index=False)
+            if turn == turns - 1:
+                assert out == hf_greedy(tiny_llama_path, prompt, MAX_NEW), sid
+            sessions[sid] = prompt + out + [rng.randrange(3, VOCAB) for _ in range(6)]
+    delta = {k: v - choices_before.get(k, 0.0) for k, v in c.choices().items()}
+    assert delta.get(("session", "local")) == len(sessions) * (turns - 1), delta

@@ -60,6 +60,8 @@ class Behavior:
     events_per_token: bool = True  # False: one event with all tokens
     max_running_requests: int = 0  # reported by GET /get_load (0: no limit)
     kv_total_tokens: int = 1 << 20  # reported by GET /get_load
+    load_status: int = 200  # GET /get_load answers this status (not 200: no report)
+    load_delay_s: float = 0.0  # before GET /get_load answers
 
 
 @dataclass
@@ -97,8 +99,12 @@ def build_app(role: str, behavior: Behavior) -> FastAPI:
         return {"disaggregation_mode": role, "bootstrap_port": state["b"].bootstrap_port, "context_length": 1024}
 
     @app.get("/get_load")
-    async def get_load() -> dict[str, Any]:
+    async def get_load() -> Any:
         b: Behavior = state["b"]
+        if b.load_delay_s:
+            await asyncio.sleep(b.load_delay_s)
+        if b.load_status != 200:
+            return err(b.load_status, "engine stats timed out", "service_unavailable")
         running = state["s"].running
         return {"num_running_reqs": running, "num_queued_reqs": 0, "num_queued_tokens": 0,
                 "kv_free_tokens": b.kv_total_tokens, "kv_total_tokens": b.kv_total_tokens,

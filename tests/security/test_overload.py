@@ -29,7 +29,7 @@ MAX_RUNNING, MAX_QUEUED, DELAY_S = 16, 32, 3.0
 class Setup:
     p: StubWorker
     d: StubWorker
-    router: RouterProc  # --max-queued-requests 32, --queue-timeout 60
+    router: RouterProc  # --max-queued-requests 32, no --queue-timeout
     short: RouterProc  # --max-queued-requests 2, --queue-timeout 1
 
 

@@ -14,7 +14,7 @@ import pytest
 
 from common.scheduler import step_fault
 from common.scheduler.step_fault import StepFault
-from common.server.liveness import StepClock, hung_reason, stepping
+from common.server.liveness import StepClock, busy, hung_reason, stepping
 from common.server.server_args import ServerArgs
 
 
@@ -61,6 +61,12 @@ def test_stepping_marks_begin_and_end_even_when_the_step_raises(tmp_path: Path) 
     assert clock.read() == clock.read() and not clock.read().in_step and clock.read().steps == 1
     with stepping(None):  # no clock: nothing to do
         pass
+    with busy(clock, "transfer poll"):
+        snap = clock.read()
+        assert snap.in_step and snap.phase == "transfer poll" and snap.steps == 1  # not a step
+        reason = hung_reason(snap, snap.step_started_at + 9.0, watchdog_timeout=5.0)
+        assert reason is not None and "hung in its transfer poll: running for 9.00s" in reason
+    assert not clock.read().in_step and clock.read().steps == 1
     clock.remove()
 
 
@@ -75,7 +81,9 @@ def test_fault_spec_parses_and_counts_forwards(monkeypatch: pytest.MonkeyPatch) 
     assert slept == [[], [], [0.2], []]  # only the 3rd forward, by the configured 0.2 s
     hang = StepFault.parse("hang,after_steps=1")
     assert hang.hang and hang.after_steps == 1 and hang.steps is None
-    for bad in ("", "slow_step_s=1,hang", "sleepy=1", "slow_step_s=x", "hang,steps=0", "hang,after_steps=-1"):
+    assert StepFault.parse("hang,at=bootstrap").at == "bootstrap" and hang.at == "forward"
+    for bad in ("", "slow_step_s=1,hang", "sleepy=1", "slow_step_s=x", "hang,steps=0", "hang,after_steps=-1",
+                "hang,at=nowhere"):
         with pytest.raises(ValueError, match="engine fault spec"):
             StepFault.parse(bad)
     with pytest.raises(ValueError, match="--engine-fault-spec"):
