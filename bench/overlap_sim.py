@@ -23,13 +23,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import random
 import statistics
 import time
 from dataclasses import dataclass, field
 
 import torch
+from machine_info import cpu_name
 
 from common.cache import PageAllocator, RadixCache, ReqToTokenPool
 from common.model.device_streams import HostStreams
@@ -165,16 +165,6 @@ def host_ms_per_step(batch: int, steps: int = 60) -> float:
     assert sched.num_decode_steps - first == steps
     return 1e3 * elapsed / steps
 
-
-def cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def main() -> None:

@@ -26,6 +26,7 @@ import time
 from pathlib import Path
 
 import httpx
+from machine_info import cpu_name
 
 REPO = Path(__file__).resolve().parents[1]
 POLICIES = ("load_aware", "cache_aware", "power_of_two")
@@ -67,15 +68,6 @@ class Proc:
                 self.proc.kill()
         self.log.close()
 
-
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "unknown CPU"
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

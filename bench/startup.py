@@ -19,7 +19,6 @@ import argparse
 import asyncio
 import json
 import os
-import platform
 import random
 import signal
 import statistics
@@ -34,19 +33,12 @@ import httpx
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from machine_info import cpu_name  # noqa: E402
+
 from tests.harness.process import ChildProcess, free_port, http_ok  # noqa: E402
 
 TIMEOUT_S = 300.0
 
-
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 CLK_TCK = os.sysconf("SC_CLK_TCK")
