@@ -121,3 +121,49 @@ def test_backend_calls_bind_to_the_real_signatures(monkeypatch: pytest.MonkeyPat
             theirs = inspect.signature(real_method(real, f"{cls_name}.{method}")).parameters
             for p in mine.values():
                 assert p.name in theirs and theirs[p.name].default == p.default, (cls_name, method, p.name)
+
+
+class _LoggedEvent:
+    def __init__(self, log: list[tuple[str, int]], number: int) -> None:
+        self.log, self.number = log, number
+
+    def query(self) -> bool:
+        return True
+
+    def synchronize(self) -> None:
+        self.log.append(("wait", self.number))
+
+
+def test_a_wrapper_waits_for_its_last_plan_copy_before_planning_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    """plan() rewrites the wrapper's one pinned plan buffer: in the one-thread overlap loop step
+    N+1 is planned while step N is queued, so the backend first waits for the event recorded
+    after that wrapper's previous plan (the buffer's copy to the device)."""
+    from common.model.device_streams import HostStreams, StepEvent
+
+    flashinfer_reference.install(monkeypatch)
+    log: list[tuple[str, int]] = []
+
+    class LoggedStreams(HostStreams):
+        def record(self) -> StepEvent:
+            number = sum(1 for what, _ in log if what == "record")
+            log.append(("record", number))
+            return _LoggedEvent(log, number)
+
+    shape = gqa_shape(128, 4)
+    decode_pool, r2t, decode_batch, _ = make_case(shape, *CASES["decode"], 16, "cpu", torch.bfloat16)
+    backend = create_attention_backend("flashinfer", shape=shape, kv_pool=decode_pool, req_to_token=r2t,
+                                       streams=LoggedStreams(decode_pool.device))
+    for wrapper in (backend._decode, backend._prefill):
+        plan, name = wrapper.plan, "decode" if wrapper is backend._decode else "prefill"
+        monkeypatch.setattr(wrapper, "plan", lambda *a, _plan=plan, _n=name, **k: (log.append((_n, 0)), _plan(*a, **k)))
+    _, _, extend_batch, _ = make_case(shape, *CASES["extend"], 16, "cpu", torch.bfloat16)
+    for batch in (decode_batch, decode_batch, extend_batch, decode_batch):
+        backend.init_forward_metadata(batch)
+
+    last_record: dict[str, int] = {"decode": 0, "prefill": 1}  # the warm-up planned decode, then prefill
+    for i, (what, _) in enumerate(log):
+        if what in last_record:
+            assert log[i - 1] == ("wait", last_record[what]), (what, log)
+            assert log[i + 1][0] == "record"
+            last_record[what] = log[i + 1][1]
+    assert [w for w, _ in log if w in last_record] == ["decode", "decode", "prefill", "decode"]

@@ -22,6 +22,12 @@ the page indices as a device tensor gathered without a boolean mask (which would
 launch/gpu_check.sh and tests/model/test_host_syncs.py count syncs). Both
 wrappers are planned and run once at construction on the reserved page 0, so the JIT
 compile of every kernel happens at startup, not on the first request.
+
+A wrapper's plan() writes its plan into the wrapper's one pinned host buffer and queues a copy
+of it to the device. In the one-thread overlap loop step N+1 is planned while step N is still
+queued, so before a wrapper plans again it waits for the event recorded after its previous
+plan (that copy): by then the loop has collected step N-1, so the copy, queued right behind
+it, is done or about to be, and the wait costs nothing, but it can never read N+1's plan.
 """
 
 from __future__ import annotations
@@ -37,7 +43,7 @@ from common.model.attention.flashinfer_support import (
     flashinfer_shape_problem,
     load_flashinfer,
 )
-from common.model.device_streams import DeviceStreams
+from common.model.device_streams import DeviceStreams, StepEvent
 from common.model.forward_batch import ForwardBatch, ForwardMode
 
 WORKSPACE_BYTES = 128 * 1024 * 1024
@@ -61,6 +67,7 @@ class FlashInferAttentionBackend(AttentionBackend):
         self._workspace = workspace
         self._graph_decode: dict[int, Any] = {}  # bucket size -> use_cuda_graph=True decode wrapper
         self._use_decode = False
+        self._planned: dict[int, StepEvent] = {}  # id(wrapper) -> after its last plan's host -> device copy
         self._caches = [kv_pool.layer_cache(layer) for layer in range(kv_pool.num_layers)]
         self._warm_up()
 
@@ -128,10 +135,15 @@ class FlashInferAttentionBackend(AttentionBackend):
             kv_data_type=self.kv_pool.dtype,
         )
         self._use_decode = mode == ForwardMode.DECODE
+        wrapper = self._decode_wrapper() if self._use_decode else self._prefill
+        previous = self._planned.get(id(wrapper))
+        if previous is not None:
+            previous.synchronize()  # its pinned plan buffer is about to be rewritten
         if self._use_decode:
-            self._decode_wrapper().plan(indptr, indices, last, head_dim=self.shape.head_dim, **common)
+            wrapper.plan(indptr, indices, last, head_dim=self.shape.head_dim, **common)
         else:
-            self._prefill.plan(qo_indptr, indptr, indices, last, head_dim_qk=self.shape.head_dim, causal=True, **common)
+            wrapper.plan(qo_indptr, indptr, indices, last, head_dim_qk=self.shape.head_dim, causal=True, **common)
+        self._planned[id(wrapper)] = self.streams.record()
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, batch: ForwardBatch
