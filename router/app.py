@@ -35,6 +35,7 @@ from router.errors import ApiError, bad_request
 from router.fields import decode_json_object, get_int, get_str
 from router.handlers import GenerationHandler, json_response, read_body
 from router.health import HealthChecker
+from router.host_check import HostAllowlist
 from router.kv_index import KVIndexes
 from router.load import LoadMonitor
 from router.metrics import RouterMetrics
@@ -229,7 +230,8 @@ def build_app(cfg: RouterConfig, model: ModelInfo | None = None) -> FastAPI:
         return json_response(msgspec.json.encode(w.describe()), 200, None)
 
     mount_openapi(app, openapi_document("pdserve router", ROUTER_ROUTES), docs=cfg.enable_docs)
-    app.add_middleware(AuthMiddleware, api_key=cfg.api_key, admin_api_key=cfg.admin_api_key)
+    hosts = HostAllowlist(cfg.host, cfg.api_key is not None, cfg.allowed_hosts)
+    app.add_middleware(AuthMiddleware, api_key=cfg.api_key, admin_api_key=cfg.admin_api_key, hosts=hosts)
     return app
 
 

@@ -118,6 +118,7 @@ class RouterConfig:
     allow_unauthenticated: bool = False
     allow_unauthenticated_clients: bool = False  # a non-loopback --host without --api-key (refused otherwise)
     enable_priority_scheduling: bool = False  # honour clients' `priority` (SGLang's flag); else 400
+    allowed_hosts: tuple[str, ...] = ()  # Host names answered besides loopback ones (router/host_check.py)
     enable_docs: bool = False  # /docs (Swagger UI from a CDN); /openapi.json is always served
     log_level: str = "info"
     api_key: str | None = field(default=None, repr=False)  # clients: /v1/*, /generate
@@ -230,6 +231,7 @@ class RouterConfig:
         values["worker"] = tuple(WorkerSpec(normalize_url(u), "colocated") for u in values["worker"] or [])
         for name in ("selector", "prefill_selector", "decode_selector"):
             values[name] = parse_selector(values[name] or [])
+        values["allowed_hosts"] = tuple(values["allowed_hosts"] or ())
         cfg = cls(**values)
         cfg.validate()
         return cfg
@@ -321,6 +323,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="serve a non-loopback --host without a cluster secret (refused otherwise)")
     p.add_argument("--allow-unauthenticated-clients", action="store_true",
                    help="serve clients on a non-loopback --host without --api-key (refused otherwise)")
+    p.add_argument("--allowed-hosts", nargs="+", default=None, metavar="NAME",
+                   help="Host header names the router answers (421 otherwise); without --api-key on loopback "
+                        "only loopback names are answered, against DNS rebinding")
     p.add_argument("--enable-priority-scheduling", action="store_true",
                    help="pass clients' /generate `priority` to workers (default: such requests get 400)")
     p.add_argument("--enable-docs", action="store_true",

@@ -163,3 +163,21 @@ def test_l2_a_public_router_needs_a_client_key(long_ctx_model: Path) -> None:
     opted = RouterProc(long_ctx_model, [*argv[5:10], "--host", "0.0.0.0", "--allow-unauthenticated",
                                         "--allow-unauthenticated-clients"])
     opted.stop()  # it served (wait_up passed): the flag lets an operator run it open on purpose
+
+
+def test_l2_dns_rebinding_gets_no_answer(router: RouterProc, long_ctx_model: Path,
+                                         stubs: tuple[StubWorker, StubWorker]) -> None:
+    """A page rebound to 127.0.0.1 sends its own name as Host: a keyless loopback router refuses it."""
+    evil = {"Host": f"attacker.example:{router.port}"}
+    for method, path in (("GET", "/metrics"), ("GET", "/health"), ("POST", "/v1/completions")):
+        resp = httpx.request(method, router.url + path, json=COMP if method == "POST" else None, headers=evil)
+        assert resp.status_code == 421, (path, resp.text)
+    for host in (f"localhost:{router.port}", f"127.0.0.1:{router.port}", "[::1]"):
+        assert httpx.get(router.url + "/health", headers={"Host": host}).status_code == 200, host
+    p, d = stubs
+    named = RouterProc(long_ctx_model, pd_args([p], [d], "--allowed-hosts", "pd.internal"))
+    try:
+        assert httpx.get(named.url + "/metrics", headers={"Host": "pd.internal:80"}).status_code == 200
+        assert httpx.get(named.url + "/metrics", headers={"Host": "attacker.example"}).status_code == 421
+    finally:
+        named.stop()
