@@ -24,6 +24,7 @@ from common.tokenizer_loading import load_tokenizer
 from tests.pd.pd_procs import REPO_ROOT
 from tests.router.router_procs import ADMIN, RouterProc, StubWorker, pd_args
 from tests.security.front_procs import wait_for
+from tests.server.server_procs import free_port
 
 COMP = {"prompt": "Hi", "max_tokens": 2}
 FAST = ("--health-check-interval", "0.2", "--health-check-timeout", "0.5")
@@ -157,8 +158,8 @@ def test_l2_a_public_router_needs_a_client_key(long_ctx_model: Path) -> None:
     env = {k: v for k, v in os.environ.items() if k not in ("PDSERVE_API_KEY", "PDSERVE_CLUSTER_SECRET")}
     env["PYTHONPATH"] = str(REPO_ROOT)
     argv = [sys.executable, "-m", "router", "--model-path", str(long_ctx_model), "--prefill", "http://127.0.0.1:1",
-            "1", "--decode", "http://127.0.0.1:2", "--host", "0.0.0.0", "--port", "1", "--allow-unauthenticated"]
-    out = subprocess.run(argv, env=env, cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
+            "1", "--decode", "http://127.0.0.1:2", "--host", "0.0.0.0", "--port", str(free_port()), "--allow-unauthenticated"]
+    out = subprocess.run(argv, env=env, cwd=REPO_ROOT, capture_output=True, text=True, timeout=60)
     assert out.returncode != 0 and "--allow-unauthenticated-clients" in out.stderr, out
     opted = RouterProc(long_ctx_model, [*argv[5:10], "--host", "0.0.0.0", "--allow-unauthenticated",
                                         "--allow-unauthenticated-clients"])
