@@ -32,7 +32,9 @@ def load_tokenizer(model_path: str) -> Any:
 
 def load_with_transformers(model_path: str) -> Any:
     """transformers' tokenizer, taking the class tokenizer_config.json names directly (AutoTokenizer
-    would first resolve the model's config through AutoConfig, which imports torch)."""
+    would first resolve the model's config through AutoConfig, which imports torch). Only a tokenizer
+    class is accepted: a checkpoint naming any other transformers class (a model, a config) is refused
+    with ValueError before anything is instantiated."""
     import transformers
 
     try:
@@ -40,7 +42,11 @@ def load_with_transformers(model_path: str) -> Any:
     except (OSError, ValueError):
         name = None
     cls = getattr(transformers, name, None) if isinstance(name, str) else None
-    if cls is not None and hasattr(cls, "from_pretrained"):
+    if cls is not None and not (isinstance(cls, type) and issubclass(cls, transformers.PreTrainedTokenizerBase)):
+        # AutoTokenizer would take it too (it looks the name up the same way)
+        raise ValueError(f"{model_path}: tokenizer_config.json names tokenizer_class {name!r}, which is not a "
+                         "transformers tokenizer class")
+    if cls is not None:
         try:
             return cls.from_pretrained(model_path)
         except Exception:  # odd configs: let AutoTokenizer decide

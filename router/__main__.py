@@ -7,7 +7,7 @@ import sys
 
 import uvicorn
 
-from common.cluster_secret import ClusterSecret, ClusterSecretError, require_safe_bind
+from common.cluster_secret import ClusterSecret, ClusterSecretError, is_loopback, require_safe_bind
 from common.server.conn_limits import header_timeout_protocol, raise_nofile_limit
 from router.app import build_app
 from router.config import RouterConfig
@@ -23,6 +23,10 @@ def main(argv: list[str] | None = None) -> None:
         require_safe_bind("router", cfg.host, ClusterSecret.load(cfg.cluster_secret_file), cfg.allow_unauthenticated)
     except ClusterSecretError as e:
         sys.exit(f"router: {e}")
+    if cfg.api_key is None and not is_loopback(cfg.host) and not cfg.allow_unauthenticated_clients:
+        sys.exit(f"router: --host {cfg.host} is not a loopback address and no --api-key is set, so anyone who "
+                 "reaches it gets free inference; set --api-key-file (or $PDSERVE_API_KEY), or pass "
+                 "--allow-unauthenticated-clients")
     app = build_app(cfg)
     nofile = raise_nofile_limit()
     logging.getLogger("router").info("open-file limit %d; api key %s; worker admin %s", nofile,

@@ -35,6 +35,7 @@ from router.errors import ApiError, bad_request
 from router.fields import decode_json_object, get_int, get_str
 from router.handlers import GenerationHandler, json_response, read_body
 from router.health import HealthChecker
+from router.host_check import HostAllowlist
 from router.kv_index import KVIndexes
 from router.load import LoadMonitor
 from router.metrics import RouterMetrics
@@ -73,7 +74,8 @@ class Router:
                                 self.admission.notify, worker_headers)
         probe_ids = self.model.encode("ping")[:4]
         self.health = HealthChecker(cfg, self.registry, self.metrics, probe_ids, self.kv_indexes, worker_headers)
-        self.parser = RequestParser(self.model, cfg.default_max_tokens_cap, cfg.incremental_streaming_output)
+        self.parser = RequestParser(self.model, cfg.default_max_tokens_cap, cfg.incremental_streaming_output,
+                                    cfg.enable_priority_scheduling)
         self.handler = GenerationHandler(self)
         self.created = int(time.time())
         self.discovery = ServiceDiscovery.from_config(cfg, self) if cfg.service_discovery else None
@@ -123,12 +125,12 @@ class Router:
         return w
 
     def not_ready_reason(self) -> str | None:
+        """Public text (unauthenticated /health): roles only; URLs and error text are on /workers and the log."""
         for role in self.registry.roles:
             if not self.registry.available(role):
-                n = len(self.registry.of_role(role))
-                return f"no healthy {role} worker ({n} registered)"
+                return f"{role} unavailable"
         if not self.health.pd_verified:
-            return f"no prefill->decode bootstrap round trip has succeeded yet ({self.health.last_probe_error})"
+            return "no prefill->decode round trip has succeeded yet"
         return None
 
 
@@ -198,7 +200,8 @@ def build_app(cfg: RouterConfig, model: ModelInfo | None = None) -> FastAPI:
     async def list_workers() -> Response:
         workers = [{**w.describe(), "kv_index": router.kv_indexes.describe(w.url)} for w in router.registry.all()]
         body = {"mode": "disaggregated" if cfg.disaggregated else "colocated", "ready": router.health.ready,
-                "pd_verified": router.health.pd_verified, "workers": workers,
+                "pd_verified": router.health.pd_verified, "last_probe_error": router.health.last_probe_error,
+                "workers": workers,
                 "service_discovery": router.discovery.describe() if router.discovery is not None else None}
         return json_response(msgspec.json.encode(body), 200, None)
 
@@ -226,8 +229,9 @@ def build_app(cfg: RouterConfig, model: ModelInfo | None = None) -> FastAPI:
         w = router.remove_worker(_url(url))
         return json_response(msgspec.json.encode(w.describe()), 200, None)
 
-    mount_openapi(app, openapi_document("pdserve router", ROUTER_ROUTES))
-    app.add_middleware(AuthMiddleware, api_key=cfg.api_key, admin_api_key=cfg.admin_api_key)
+    mount_openapi(app, openapi_document("pdserve router", ROUTER_ROUTES), docs=cfg.enable_docs)
+    hosts = HostAllowlist(cfg.host, cfg.api_key is not None, cfg.allowed_hosts)
+    app.add_middleware(AuthMiddleware, api_key=cfg.api_key, admin_api_key=cfg.admin_api_key, hosts=hosts)
     return app
 
 

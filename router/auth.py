@@ -5,6 +5,7 @@
     /workers           worker admin: `Authorization: Bearer <--admin-api-key>`; with no admin
                        key configured the routes answer 403 naming the flag (admin is off)
     everything else    open (/health, /metrics): load balancers and Prometheus scrape them
+    any route          421 when `Host` is not allowed (router/host_check.py: DNS rebinding)
 
 Keys are compared with hmac.compare_digest. Errors are in the OpenAI shape, so the
 `openai` client raises AuthenticationError / PermissionDeniedError.
@@ -16,17 +17,25 @@ import hmac
 from typing import Any
 
 from router.errors import ApiError
+from router.host_check import HostAllowlist
 
 ADMIN_PREFIX = "/workers"
 _CLIENT_EXACT = frozenset({"/generate"})
 
 
-def _bearer(scope: dict[str, Any]) -> bytes | None:
+def _header(scope: dict[str, Any], wanted: bytes) -> bytes | None:
     for name, value in scope["headers"]:
-        if name == b"authorization":
-            scheme, _, token = value.partition(b" ")
-            return token.strip() if scheme.lower() == b"bearer" else None
+        if name == wanted:
+            return bytes(value)
     return None
+
+
+def _bearer(scope: dict[str, Any]) -> bytes | None:
+    value = _header(scope, b"authorization")
+    if value is None:
+        return None
+    scheme, _, token = value.partition(b" ")
+    return token.strip() if scheme.lower() == b"bearer" else None
 
 
 def _matches(token: bytes | None, key: bytes) -> bool:
@@ -36,10 +45,12 @@ def _matches(token: bytes | None, key: bytes) -> bool:
 class AuthMiddleware:
     """ASGI middleware; the app behind it sees only requests that passed."""
 
-    def __init__(self, app: Any, api_key: str | None, admin_api_key: str | None) -> None:
+    def __init__(self, app: Any, api_key: str | None, admin_api_key: str | None,
+                 hosts: HostAllowlist | None = None) -> None:
         self.app = app
         self.api_key = api_key.encode() if api_key else None
         self.admin_key = admin_api_key.encode() if admin_api_key else None
+        self.hosts = hosts
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] == "http":
@@ -50,6 +61,8 @@ class AuthMiddleware:
         await self.app(scope, receive, send)
 
     def refusal(self, path: str, scope: dict[str, Any]) -> ApiError | None:
+        if self.hosts is not None and not self.hosts.allows(_header(scope, b"host")):
+            return ApiError(421, "this router does not serve that Host (--allowed-hosts)", code="misdirected_request")
         if path == ADMIN_PREFIX or path.startswith(ADMIN_PREFIX + "/"):
             if self.admin_key is None:
                 return ApiError(403, "worker admin is off: start the router with --admin-api-key "

@@ -35,6 +35,9 @@ def normalize_url(url: str) -> str:
     parts = urlsplit(url)
     if parts.scheme not in ("http", "https") or not parts.hostname:
         raise ValueError(f"not an http(s) URL: {url!r}")
+    if parts.username is not None or parts.password is not None:
+        raise ValueError(f"worker URL must not carry user:password@ (workers authenticate by the cluster secret): "
+                         f"{parts.scheme}://{parts.hostname}")
     if parts.path not in ("", "/") or parts.query:
         raise ValueError(f"worker URL must not have a path or query: {url!r}")
     _ = parts.port  # raises ValueError on a bad port
@@ -113,6 +116,10 @@ class RouterConfig:
     incremental_streaming_output: bool = False  # /generate streams deltas (default: cumulative, as SGLang)
     cluster_secret_file: str | None = None  # None: $PDSERVE_CLUSTER_SECRET, else no secret (see common.cluster_secret)
     allow_unauthenticated: bool = False
+    allow_unauthenticated_clients: bool = False  # a non-loopback --host without --api-key (refused otherwise)
+    enable_priority_scheduling: bool = False  # honour clients' `priority` (SGLang's flag); else 400
+    allowed_hosts: tuple[str, ...] = ()  # Host names answered besides loopback ones (router/host_check.py)
+    enable_docs: bool = False  # /docs (Swagger UI from a CDN); /openapi.json is always served
     log_level: str = "info"
     api_key: str | None = field(default=None, repr=False)  # clients: /v1/*, /generate
     admin_api_key: str | None = field(default=None, repr=False)  # /workers; None: worker admin is off
@@ -224,6 +231,7 @@ class RouterConfig:
         values["worker"] = tuple(WorkerSpec(normalize_url(u), "colocated") for u in values["worker"] or [])
         for name in ("selector", "prefill_selector", "decode_selector"):
             values[name] = parse_selector(values[name] or [])
+        values["allowed_hosts"] = tuple(values["allowed_hosts"] or ())
         cfg = cls(**values)
         cfg.validate()
         return cfg
@@ -313,6 +321,15 @@ def build_parser() -> argparse.ArgumentParser:
                         "(default: $PDSERVE_CLUSTER_SECRET)")
     p.add_argument("--allow-unauthenticated", action="store_true",
                    help="serve a non-loopback --host without a cluster secret (refused otherwise)")
+    p.add_argument("--allow-unauthenticated-clients", action="store_true",
+                   help="serve clients on a non-loopback --host without --api-key (refused otherwise)")
+    p.add_argument("--allowed-hosts", nargs="+", default=None, metavar="NAME",
+                   help="Host header names the router answers (421 otherwise); without --api-key on loopback "
+                        "only loopback names are answered, against DNS rebinding")
+    p.add_argument("--enable-priority-scheduling", action="store_true",
+                   help="pass clients' /generate `priority` to workers (default: such requests get 400)")
+    p.add_argument("--enable-docs", action="store_true",
+                   help="serve the Swagger UI at /docs (it loads its script from cdn.jsdelivr.net)")
     p.add_argument("--max-prompt-chars", type=int, default=d["max_prompt_chars"],
                    help="longest prompt in characters, refused before tokenizing (default: 32 x context length)")
     p.add_argument("--api-key-file", default=None,

@@ -9,6 +9,7 @@ against a worker; the dispatcher decides whether it is retried.
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import msgspec
@@ -74,7 +75,7 @@ class UpstreamError(Exception):
         return self.retryable
 
     def to_api_error(self) -> ApiError:
-        return ApiError(self.status, self.public, type=self.type)
+        return ApiError(self.status, self.public, type=_public_type(self.type))
 
     @classmethod
     def from_body(cls, status: int, raw: bytes, worker_url: str) -> UpstreamError:
@@ -103,7 +104,18 @@ class UpstreamError(Exception):
                    public=_public(status, message, type_))
 
 
+_TYPE = re.compile(r"[a-z_]{1,64}")
+
+
+def _public_type(type_: str) -> str:
+    return type_ if _TYPE.fullmatch(type_) else "upstream_error"
+
+
 def _public(status: int, worker_message: str, type_: str) -> str:
-    if status < 500 or status == 503:
+    """What a client reads: a worker's 4xx validation text; for 5xx a fixed string (the worker's own
+    words, which can name engine state, capacity or hosts, go to the router's log with the rid)."""
+    if status < 500:
         return worker_message[:500]
-    return f"a worker failed to serve the request ({type_[:64]})"
+    if status == 503:
+        return "the service is temporarily unavailable; retry later"
+    return f"a worker failed to serve the request ({_public_type(type_)})"

@@ -27,7 +27,7 @@ class _WorkerCollector(Collector):
         self.registry = registry
 
     def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
-        labels = ["url", "role"]
+        labels = ["worker", "role"]  # worker: its name (/workers maps it to the URL), never the URL
         healthy = GaugeMetricFamily("router_worker_healthy", "1 if the worker passes health checks", labels=labels)
         breaker = GaugeMetricFamily("router_worker_breaker_state", "0 closed, 1 half-open, 2 open", labels=labels)
         reqs = GaugeMetricFamily("router_worker_inflight_requests", "requests in flight", labels=labels)
@@ -36,7 +36,7 @@ class _WorkerCollector(Collector):
         panic = CounterMetricFamily("router_panic_routed", "picks made among down workers (no healthy one of "
                                     "the role)", labels=["role"])
         for w in self.registry.all():
-            lv = [w.url, w.role]
+            lv = [w.name, w.role]
             healthy.add_metric(lv, 1.0 if w.health.healthy else 0.0)
             breaker.add_metric(lv, float(w.breaker.state))
             reqs.add_metric(lv, float(w.in_flight_requests))

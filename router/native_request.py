@@ -49,7 +49,8 @@ def decode_generate(body: dict[str, Any]) -> GenerateRequestBody:
     return req
 
 
-def parse_generate(model: ModelInfo, body: dict[str, Any], *, incremental_default: bool) -> GenerationPlan:
+def parse_generate(model: ModelInfo, body: dict[str, Any], *, incremental_default: bool,
+                   allow_priority: bool = False) -> GenerationPlan:
     req = decode_generate(body)
     if (req.text is None) == (req.input_ids is None):
         raise bad_request("exactly one of 'text' and 'input_ids' is required", "text")
@@ -87,6 +88,9 @@ def parse_generate(model: ModelInfo, body: dict[str, Any], *, incremental_defaul
     if req.rid is not None and not (0 < len(req.rid) <= 128 and req.rid.isascii() and req.rid.isprintable()):
         raise bad_request("'rid' must be 1-128 printable ASCII characters", "rid")
     priority = req.priority
+    if priority is not None and not allow_priority:
+        raise bad_request("'priority' is not accepted from clients (the operator enables it with "
+                          "--enable-priority-scheduling)", "priority")
     if priority is not None and not -(2**31) <= priority < 2**31:
         raise bad_request(f"'priority' must fit in 32 bits, got {priority}", "priority")
     extra: dict[str, Any] = {}

@@ -31,10 +31,12 @@ SGLANG_EXTRAS = ("top_k", "min_p", "repetition_penalty", "ignore_eos", "stop_tok
 class RequestParser:
     """Stateless apart from the (read-only) model info; one per router."""
 
-    def __init__(self, model: ModelInfo, default_max_tokens_cap: int, incremental_default: bool = False) -> None:
+    def __init__(self, model: ModelInfo, default_max_tokens_cap: int, incremental_default: bool = False,
+                 allow_priority: bool = False) -> None:
         self.model = model
         self.cap = default_max_tokens_cap
         self.incremental_default = incremental_default
+        self.allow_priority = allow_priority
 
     def completion(self, body: dict[str, Any]) -> GenerationPlan:
         model = self._model(body)
@@ -81,7 +83,8 @@ class RequestParser:
         return self._plan("chat", model, ids, params, body, logprobs, "chat")
 
     def generate(self, body: dict[str, Any]) -> GenerationPlan:
-        return parse_generate(self.model, body, incremental_default=self.incremental_default)
+        return parse_generate(self.model, body, incremental_default=self.incremental_default,
+                              allow_priority=self.allow_priority)
 
     # -- helpers -------------------------------------------------------------------------------
 
@@ -92,6 +95,9 @@ class RequestParser:
                            param="model", code="model_not_found")
         if get_int(body, "n", 1) != 1:
             raise bad_request("only n=1 is supported", "n")
+        if body.get("cache_salt") is not None:
+            raise bad_request("'cache_salt' is not supported: the prefix cache is shared by all clients of "
+                              "this server", "cache_salt")
         return self.model.name
 
     def _prompt_ids(self, prompt: Any) -> list[int]:

@@ -50,6 +50,7 @@ class WorkerRegistry:
         }
         self.panic_picks: dict[Role, int] = {r: 0 for r in self.roles}
         self._panicking: set[Role] = set()
+        self._added = 0
         for spec in cfg.all_workers():
             self.add(spec)
 
@@ -64,6 +65,8 @@ class WorkerRegistry:
         )
         w = Worker(spec.url, spec.role, breaker, spec.bootstrap_port)
         w.source, w.pod = spec.source, spec.pod
+        w.name = f"{spec.role}-{self._added}"
+        self._added += 1
         self._workers[spec.role].append(w)
         self._by_url[spec.url] = w
         return w

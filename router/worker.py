@@ -47,6 +47,7 @@ class Worker:
         self.live = LiveLoad()  # the worker's own load report (router/load.py)
         self.source = "command-line"  # how the router found it (WorkerSpec.source); the registry sets it
         self.pod: str | None = None
+        self.name = url  # public label (metrics): `<role>-<n>`; the registry sets it
 
     @property
     def available(self) -> bool:
@@ -82,6 +83,7 @@ class Worker:
     def describe(self) -> dict[str, Any]:
         return {
             "url": self.url,
+            "name": self.name,
             "role": self.role,
             "bootstrap_port": self.bootstrap_port,
             "source": self.source,

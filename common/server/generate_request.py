@@ -23,10 +23,11 @@ from common.sampling_request import SamplingParamsRequest, refuse_unsupported
 
 IGNORED = (
     "log_metrics", "no_logs", "custom_labels", "external_trace_header", "received_time", "routing_key",
-    "conversation_id", "extra_key", "cache_salt", "http_worker_ipc", "routed_dp_rank", "data_parallel_rank",
+    "conversation_id", "extra_key", "http_worker_ipc", "routed_dp_rank", "data_parallel_rank",
     "disagg_prefill_dp_rank", "decode_tp_size", "bootstrap_pair_key", "kv_hints",
 )
 UNSUPPORTED_UNLESS: dict[str, tuple[Any, ...]] = {
+    "cache_salt": (None,),  # per-tenant prefix-cache isolation: not implemented, so refused rather than ignored
     "input_embeds": (None,), "image_data": (None, []), "video_data": (None, []), "audio_data": (None, []),
     "mm_hashes": (None,), "mm_content_hashes": (None,), "use_audio_in_video": (False,), "video_config": (None,),
     "watermark": (None,), "token_ids_logprob": (None,), "return_sampling_mask": (None, False),

@@ -63,7 +63,8 @@ def openapi_document(title: str, routes: list[ApiRoute], version: str = "0.1.0")
             "components": {"schemas": components}}
 
 
-def mount_openapi(app: FastAPI, document: dict[str, Any]) -> None:
+def mount_openapi(app: FastAPI, document: dict[str, Any], *, docs: bool = True) -> None:
+    """/openapi.json, and with `docs` the Swagger UI at /docs (its script comes from cdn.jsdelivr.net)."""
     body = msgspec.json.encode(document)
     title = document["info"]["title"]
 
@@ -71,8 +72,11 @@ def mount_openapi(app: FastAPI, document: dict[str, Any]) -> None:
     async def openapi_json() -> Response:
         return Response(body, media_type="application/json")
 
+    if not docs:
+        return
+
     @app.get("/docs", include_in_schema=False)
-    async def docs() -> HTMLResponse:
+    async def swagger() -> HTMLResponse:
         return get_swagger_ui_html(openapi_url="/openapi.json", title=f"{title} - API")
 
 

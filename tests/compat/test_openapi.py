@@ -1,4 +1,4 @@
-"""/openapi.json and /docs on the router and on every instance, generated from the msgspec types;
+"""/openapi.json on the router and on every instance (/docs on instances, the router's is opt-in), generated from the msgspec types;
 the documents pass an OpenAPI validator, and schemathesis fuzzes the router's without a 5xx."""
 
 from __future__ import annotations
@@ -28,7 +28,10 @@ def test_documents_are_valid_openapi(cluster: Cluster) -> None:
         body = doc["components"]["schemas"][ref.rsplit("/", 1)[1]]["properties"]
         assert {"text", "input_ids", "sampling_params", "logprob_start_len", "lora_path"} <= set(body), name
         docs = httpx.get(url + "/docs", timeout=10)
-        assert docs.status_code == 200 and "swagger" in docs.text.lower(), name
+        if name == "router":  # its Swagger UI loads a CDN script: only with --enable-docs
+            assert docs.status_code == 404, docs.text
+        else:
+            assert docs.status_code == 200 and "swagger" in docs.text.lower(), name
     router_doc = httpx.get(cluster.router.url + "/openapi.json", timeout=10).json()
     assert {"/v1/completions", "/v1/chat/completions", "/generate", "/v1/models"} <= set(router_doc["paths"])
 

@@ -19,11 +19,12 @@ from tests.launch.netns_lab import LabUnavailable, NetnsLab
 from tests.launch.pd_launch import PdLaunch
 
 ROUTER, PREFILL, DECODE = 0, 1, 2
+API_KEY = "sk-multinode-test"
 PORTS = {"router": 30000, "prefill": 30100, "bootstrap": 8998, "decode": 30200}
 
 CHAT = """
 import json, sys, openai
-client = openai.OpenAI(base_url=sys.argv[1] + "/v1", api_key="none", timeout=120.0, max_retries=0)
+client = openai.OpenAI(base_url=sys.argv[1] + "/v1", api_key=sys.argv[3], timeout=120.0, max_retries=0)
 out = client.chat.completions.create(model=sys.argv[2], messages=[{"role": "user", "content": "hi " * 40}],
                                      max_tokens=5, temperature=0)
 print(json.dumps({"finish": out.choices[0].finish_reason, "tokens": out.usage.completion_tokens}))
@@ -63,8 +64,13 @@ def test_pd_sh_runs_roles_on_three_hosts_and_moves_kv_over_tcp(
         f"prefill {lab.addr(PREFILL)} {PORTS['prefill']} {PORTS['bootstrap']}\n"
         f"decode {lab.addr(DECODE)} {PORTS['decode']}\n"
     )
+    key_file = tmp_path / "api_key"  # a router on a non-loopback address needs a client key
+    key_file.write_text(API_KEY)
+    key_file.chmod(0o600)
     run = PdLaunch(
         [
+            "--api-key-file",
+            str(key_file),
             "--hosts",
             str(hosts),
             "--exec-prefix-template",
@@ -102,7 +108,8 @@ def test_pd_sh_runs_roles_on_three_hosts_and_moves_kv_over_tcp(
 
         res = lab.run_in(
             lab.addr(ROUTER),
-            [sys.executable, "-c", CHAT, f"http://{lab.addr(ROUTER)}:{PORTS['router']}", tiny_llama_path],
+            [sys.executable, "-c", CHAT, f"http://{lab.addr(ROUTER)}:{PORTS['router']}", tiny_llama_path,
+             API_KEY],
             timeout_s=180,
         )
         assert res.returncode == 0, res.stderr[-3000:]

@@ -245,7 +245,7 @@ def test_prefill_499_defers_to_decode(cluster: Cluster) -> None:
     p.control(fail_status=499)
     d.control(fail_status=503, delay_s=0.3)
     resp = post(r, COMP)
-    assert resp.status_code == 503 and "stub failure 503" in resp.json()["error"]["message"], resp.text
+    assert resp.status_code == 503 and "temporarily unavailable" in resp.json()["error"]["message"], resp.text
     d.control(fail_status=None, delay_s=0.3)
     resp = post(r, COMP)
     assert resp.status_code == 200, resp.text
