@@ -250,18 +250,20 @@ class PrefillSide(Side):
 
     def live_rooms(self, identity: bytes, now: float) -> list[int]:
         """The rooms of decode `identity` this prefill still looks after: their request waits
-        here for its engine (early), or the engine polled it within heartbeat_timeout_s and it
-        has no WRITE outstanding without progress for as long (a stalled link is not alive).
+        here for its engine (early), or the engine polled it within transfer_timeout_s (one
+        forward of a big batch on a loaded CPU takes tens of seconds) and it has no WRITE
+        outstanding without progress for heartbeat_timeout_s (a stalled link is not alive).
         Decode counts its transfer deadline from a room's last mention, so a long prefill
         queue never reads as a stalled transfer while a hung engine or link still does."""
-        bound = self.cfg.heartbeat_timeout_s
+        cfg = self.cfg
+        engine_bound = max(cfg.heartbeat_timeout_s, cfg.transfer_timeout_s)
         rooms = [rid for rid, e in self.early.items() if e.identity == identity]
         for rid, room in self.rooms.items():
             if room.peer is None or room.peer.identity != identity or room.failed_at is not None:
                 continue
-            if now - room.sender.watched_at > bound:
+            if now - room.sender.watched_at > engine_bound:
                 continue
-            if room.outstanding and now - room.progress_at > bound:
+            if room.outstanding and now - room.progress_at > cfg.heartbeat_timeout_s:
                 continue
             rooms.append(rid)
         return rooms
