@@ -67,8 +67,11 @@ class TransferConfig:
     - bootstrap_timeout_s = 300: prefill fails a sender whose decode never sent page ids.
     - handshake_timeout_s = 10: decode fails the rooms of a prefill that does not answer
       its registration.
-    - transfer_timeout_s = 300: decode fails a receiver that got no status message this
-      long after init().
+    - transfer_timeout_s = 300: decode fails a receiver that got no status message and
+      no sign of life of its room (prefill's Pong names the rooms it still looks after) this
+      long after init() or the last such sign. On prefill: how long its engine may leave a
+      room unpolled (a long forward, a hang) before the room's sign of life stops; a room
+      with WRITEs outstanding and none completing for heartbeat_timeout_s has none either.
     - heartbeat_interval_s = 5, heartbeat_timeout_s = 15: decode pings every prefill it
       uses; silence for the timeout fails all that prefill's rooms. Prefill likewise fails
       the rooms of a decode it has not heard from for the timeout.

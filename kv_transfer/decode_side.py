@@ -5,6 +5,8 @@ Runs only in the KVManager's background thread.
 
     create_receiver ─> peer handshaking ─(RegisterAck)─> registered: receivers WaitingForInput
     init ─> TransferRequest sent ─(Status ok + aux row room matches)─> Success
+    transfer deadline: transfer_timeout_s after the request went out or prefill's last
+        mention of the room in a Pong (queued, computing, writing with progress), whichever is later
     Status failed / abort / timeout / peer lost ─> Failed; pages releasable once prefill's
         Status for the room arrived (its writes drained) or drain_timeout_s passed
 
@@ -62,6 +64,7 @@ class _Recv:
     receiver: KVReceiver
     init: InitCmd | None = None
     sent_at: float | None = None
+    alive_at: float = 0.0  # prefill's last mention of the room in a Pong (its sign of life)
     sent_to: str = ""  # the prefill agent that was registered when the request went out
     resent: bool = False  # re-sent once after a restarted prefill asked us to register again
 
@@ -201,6 +204,11 @@ class DecodeSide(Side):
                 self.log.warning("prefill %s:%d restarted (agent %s, was %s): registering anew",
                                  *peer.key, msg.agent_name, peer.prefill_agent)
                 self._register_again(peer, now)
+                return
+            for room in msg.rooms:
+                alive = peer.recvs.get(room)
+                if alive is not None and alive.sent_at is not None:
+                    alive.alive_at = now
         elif isinstance(msg, Status):
             self._on_status(peer, msg, now)
 
@@ -245,6 +253,11 @@ class DecodeSide(Side):
         return per_page * rec.init.dst_pages.size + self.aux.row_bytes
 
     # ---- periodic work ------------------------------------------------------------------
+    @property
+    def ping_interval(self) -> float:
+        """Pings also carry each room's sign of life: at least three per transfer timeout."""
+        return min(self.cfg.heartbeat_interval_s, self.cfg.transfer_timeout_s / 3)
+
     def tick(self, now: float) -> bool:
         self.endpoint.progress()
         cfg = self.cfg
@@ -261,15 +274,16 @@ class DecodeSide(Side):
                 why = f"lost prefill {peer.key[0]}:{peer.key[1]}: no heartbeat for {now - peer.last_seen:.1f}s"
                 self._drop_peer(peer, FailureCause.PEER_LOST, why, now)
                 continue
-            if now - peer.last_ping >= cfg.heartbeat_interval_s:
+            if now - peer.last_ping >= self.ping_interval:
                 peer.last_ping = now
                 self._send(peer, Ping(next(self._ping_seq)))
             for rec in list(peer.recvs.values()):
                 if rec.sent_at is None:
                     continue
                 busy = True
-                if now - rec.sent_at > cfg.transfer_timeout_s:
-                    why = f"transfer timeout: no status from prefill within {cfg.transfer_timeout_s:.1f}s"
+                silent = now - max(rec.sent_at, rec.alive_at)
+                if silent > cfg.transfer_timeout_s:
+                    why = f"transfer timeout: no status or sign of life of the room from prefill for {silent:.1f}s"
                     self._fail(peer, rec, FailureCause.TRANSFER_TIMEOUT, why, now, notify=True)
         keep = []
         for key, rec in self.draining:

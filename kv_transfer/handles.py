@@ -92,6 +92,12 @@ class KVSender(_Handle):
         self.skip_pages = 0  # likewise: leading prompt pages decode holds already; never sent
         self._pages_sent = 0
         self._last_sent = False
+        self.watched_at = time.monotonic()  # the engine's last poll(): it still looks after the request
+
+    def poll(self) -> KVPoll:
+        """The state; also the engine's sign of life for this request (see PrefillSide.live_rooms)."""
+        self.watched_at = time.monotonic()
+        return self.cell.state
 
     def send(self, src_page_ids: Sequence[int], is_last: bool, aux: AuxRow | None = None) -> None:
         """Queue WRITEs of `src_page_ids` into the next decode pages, in request order.

@@ -9,7 +9,10 @@
                  <--- Status{room, ok, reason}       after every WRITE of the room is
                                                      DONE (ok) or drained (failed/abort)
       Ping{seq} ---------------------------------->
-                 <--- Pong{seq}
+                 <--- Pong{seq, rooms}                rooms: this decode's rooms prefill still
+                                                     looks after (queued, computing, writing
+                                                     with progress): decode's transfer
+                                                     deadline counts from their last mention
       InfoQuery (bootstrap probe, any client) ---->
                  <--- RegisterAck{PrefillInfo}
 
@@ -20,10 +23,11 @@ from __future__ import annotations
 
 import msgspec
 
-PROTOCOL_VERSION = 6  # 2: TransferRequest.skip_pages (decode's prefix cache); 3: Register.instance_token;
+PROTOCOL_VERSION = 7  # 2: TransferRequest.skip_pages (decode's prefix cache); 3: Register.instance_token;
 # 4: head_slices (tensor parallelism: one [first head, heads] per TP rank; bases are per slice);
 # 5: one NIXL agent per TP rank (Register.rank_agents, kv_devices; PrefillInfo.rank_agents);
 # 6: page-major KV pools (WireLayout.order; Register.kv_bases: one pool base per slice)
+# 7: Pong.rooms (per-room sign of life: a long prefill queue is no stalled transfer)
 
 
 class WireLayout(msgspec.Struct, frozen=True, array_like=True):
@@ -107,6 +111,7 @@ class Ping(msgspec.Struct, frozen=True, array_like=True, tag="ping"):
 class Pong(msgspec.Struct, frozen=True, array_like=True, tag="pong"):
     seq: int
     agent_name: str  # a restarted prefill answers with a new name
+    rooms: list[int] = []  # the asking decode's rooms prefill's engine still looks after (RoomLife)
 
 
 ControlMsg = Register | RegisterAck | RegisterRefused | InfoQuery | TransferRequest | Abort | Status | Ping | Pong

@@ -105,6 +105,7 @@ class _Room:
     ndescs: int = 0
     post_s: float = 0.0  # summed over its handles
     wire_s: float = 0.0  # summed over its KV handles: posted -> DONE
+    progress_at: float = 0.0  # its last WRITE posted or DONE
 
 
 def memory_type_mismatch(prefill_mem_type: str, decode_mem_type: str) -> str | None:
@@ -183,7 +184,7 @@ class PrefillSide(Side):
         elif isinstance(msg, InfoQuery):
             self.reply(identity, RegisterAck(self.info))
         elif isinstance(msg, Ping):
-            self.reply(identity, Pong(msg.seq, self.endpoint.name))
+            self.reply(identity, Pong(msg.seq, self.endpoint.name, self.live_rooms(identity, now)))
         elif isinstance(msg, TransferRequest):
             self._on_transfer_request(identity, msg, now)
         elif isinstance(msg, Abort):
@@ -246,6 +247,26 @@ class PrefillSide(Side):
         if len(self.peers) >= self.cfg.max_peers:
             return f"too many decode peers ({self.cfg.max_peers})"
         return None
+
+    def live_rooms(self, identity: bytes, now: float) -> list[int]:
+        """The rooms of decode `identity` this prefill still looks after: their request waits
+        here for its engine (early), or the engine polled it within transfer_timeout_s (one
+        forward of a big batch on a loaded CPU takes tens of seconds) and it has no WRITE
+        outstanding without progress for heartbeat_timeout_s (a stalled link is not alive).
+        Decode counts its transfer deadline from a room's last mention, so a long prefill
+        queue never reads as a stalled transfer while a hung engine or link still does."""
+        cfg = self.cfg
+        engine_bound = max(cfg.heartbeat_timeout_s, cfg.transfer_timeout_s)
+        rooms = [rid for rid, e in self.early.items() if e.identity == identity]
+        for rid, room in self.rooms.items():
+            if room.peer is None or room.peer.identity != identity or room.failed_at is not None:
+                continue
+            if now - room.sender.watched_at > engine_bound:
+                continue
+            if room.outstanding and now - room.progress_at > cfg.heartbeat_timeout_s:
+                continue
+            rooms.append(rid)
+        return rooms
 
     def _early_pages(self, identity: bytes) -> int:
         return sum(e.dst_pages.size for e in self.early.values() if e.identity == identity)
@@ -347,6 +368,7 @@ class PrefillSide(Side):
                     self._drop_peer(room.peer, FailureCause.TRANSFER_ERROR, f"NIXL error towards decode: {e}")
                 return
             room.pending.popleft()
+            room.progress_at = time.monotonic()
 
     def _post_kv(self, room: _Room, peer: _DecodePeer, dst_pages: np.ndarray, pages: np.ndarray) -> None:
         if pages.size == 0:
@@ -466,6 +488,7 @@ class PrefillSide(Side):
                     self._drop_peer(room.peer, FailureCause.TRANSFER_ERROR, f"NIXL error towards decode: {e}")
                 continue
             if done:
+                room.progress_at = now
                 self._handle_done(room, xfer)
                 self._release(xfer)
             else:

@@ -309,7 +309,7 @@ _HELP: dict[str, str] = {
     "--host; 0: a free port, shown in /server_info)",
     "disable_kv_events": "publish no KV events (the router then guesses what this instance caches)",
     "disaggregation_bootstrap_timeout": "seconds prefill waits for decode's destination pages",
-    "disaggregation_transfer_timeout": "seconds decode waits for a KV transfer",
+    "disaggregation_transfer_timeout": "seconds decode waits for a KV transfer with no sign of it from prefill (a room queued on prefill is one)",
     "disaggregation_heartbeat_interval": "seconds between decode -> prefill heartbeats",
     "disaggregation_heartbeat_timeout": "seconds without a heartbeat answer before a peer is dead",
     "disaggregation_handshake_timeout": "decode: seconds a prefill may take to answer the first handshake",

@@ -268,3 +268,37 @@ def test_idle_manager_threads_use_no_cpu(decode: DecodeSide) -> None:
     time.sleep(1.0)
     share = (cpu() - c0) / (time.monotonic() - t0)
     assert share < 0.05, f"idle decode manager thread used {share:.0%} CPU"
+
+
+def test_a_queued_room_outlives_the_transfer_timeout(prefill: Worker, decode: DecodeSide) -> None:
+    """Prefill's engine holds the room (queued: it polls it, sends nothing) past decode's 3 s
+    transfer timeout: prefill's pongs name the room, so decode keeps waiting, then succeeds."""
+    room, dst = start(prefill, decode, hold_prefill=True)
+    decode_wait(decode, room, T)
+    until = time.monotonic() + 3.0 * 1.5
+    while time.monotonic() < until:
+        decode.driver.step()
+        assert decode.driver.state(room) == T, decode.driver.plans[room].handle.failure_reason
+        time.sleep(0.05)
+    prefill.call("release", room=room)
+    decode_wait(decode, room, S)
+    prefill_state(prefill, room, S)
+    finish(decode, room, dst)
+
+
+def test_a_stalled_link_still_times_out(prefill: Worker, decode: DecodeSide, tmp_path: Path) -> None:
+    """The engine stays alive but no WRITE completes: after prefill's heartbeat timeout (1 s)
+    the room is no longer named, and decode fails it within its transfer timeout after that."""
+    hold = tmp_path / "hold"
+    hold.touch()
+    prefill.call("faults", spec=f"hold_file={hold}")
+    room, dst = start(prefill, decode)
+    decode_wait(decode, room, T)
+    t0 = time.monotonic()
+    decode_wait(decode, room, F, timeout=10.0)
+    took = time.monotonic() - t0
+    h = decode.driver.plans[room].handle
+    assert h.failure_cause == FailureCause.TRANSFER_TIMEOUT and "sign of life" in (h.failure_reason or "")
+    assert 3.0 <= took <= 3.0 + 1.0 + 0.2 + 3.0, f"failed after {took:.1f}s"
+    hold.unlink()
+    finish(decode, room, dst)
