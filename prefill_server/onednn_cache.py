@@ -6,8 +6,9 @@ default). Prefill runs chunks of hundreds of different lengths, so that cache fi
 primitives used once and the engine's RSS grows ~2.5 MiB per request until it is full; decode
 runs a few bucketed batch sizes and never fills it. A prefill forward needs only a handful of
 primitives (one per weight shape: every layer shares them), so a small cache costs a primitive
-build per new chunk length and keeps RSS flat (measured in bench/prefill_memory.py; README,
-reliability section).
+build per new chunk length. Measured (bench/prefill_memory.py, README's Status section): the
+slope drops from ~2.7 to ~1.7 MiB per request at ~3% of prefill tokens/s; the rest goes away
+only with bucketed chunk lengths, which the engine does not do yet.
 
 The prefill frontend sets the variable before it spawns the engine, so the engine process
 starts with it (before torch creates its first primitive, when oneDNN reads it). A value the
@@ -20,7 +21,7 @@ import os
 from collections.abc import MutableMapping
 
 ENV_VAR = "ONEDNN_PRIMITIVE_CACHE_CAPACITY"
-PREFILL_CAPACITY = 64
+PREFILL_CAPACITY = 16
 
 
 def limit_primitive_cache(environ: MutableMapping[str, str] = os.environ) -> str:
