@@ -6,7 +6,9 @@ from __future__ import annotations
 def _main() -> None:
     from common.server.launch import main
     from prefill_server.engine import prefill_engine_main
+    from prefill_server.onednn_cache import limit_primitive_cache
 
+    limit_primitive_cache()  # inherited by the engine process spawned below
     main(engine_main=prefill_engine_main, disaggregation_mode="prefill")
 
 

@@ -56,6 +56,7 @@ PROC_PATHS = (
     "launch/",
     "pd/test_pd_aborts.py",
     "pd/test_pd_e2e.py",
+    "pd/test_prefill_onednn_cache.py",
     "pd/test_pd_multiturn.py",
     "pd/test_pd_router_multiturn.py",
     "pd/test_pd_tp.py",

@@ -1,0 +1,29 @@
+"""A small oneDNN primitive cache for the prefill engine (issue 41 item 6).
+
+oneDNN (torch's CPU linears, prepacked in common/model/packed_linear.py) keeps one compiled
+primitive per linear and input row count, up to ONEDNN_PRIMITIVE_CACHE_CAPACITY (1,024 by
+default). Prefill runs chunks of hundreds of different lengths, so that cache fills with
+primitives used once and the engine's RSS grows ~2.5 MiB per request until it is full; decode
+runs a few bucketed batch sizes and never fills it. A prefill forward needs only a handful of
+primitives (one per weight shape: every layer shares them), so a small cache costs a primitive
+build per new chunk length. Measured (bench/prefill_memory.py, README's Status section): the
+slope drops from ~2.7 to ~1.7 MiB per request at ~3% of prefill tokens/s; the rest goes away
+only with bucketed chunk lengths, which the engine does not do yet.
+
+The prefill frontend sets the variable before it spawns the engine, so the engine process
+starts with it (before torch creates its first primitive, when oneDNN reads it). A value the
+user already exported wins.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import MutableMapping
+
+ENV_VAR = "ONEDNN_PRIMITIVE_CACHE_CAPACITY"
+PREFILL_CAPACITY = 16
+
+
+def limit_primitive_cache(environ: MutableMapping[str, str] = os.environ) -> str:
+    """Sets the capacity for processes started from here on unless it is set; returns the value in effect."""
+    return environ.setdefault(ENV_VAR, str(PREFILL_CAPACITY))
