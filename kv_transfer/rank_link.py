@@ -11,6 +11,9 @@ Lives in rank 0's KVManager and is driven by its background thread only (after t
 A rank reports a post only once it settled (its WRITEs DONE, or failed and drained), so a
 failed report is terminal. A rank that dies takes the instance down (tp_ranks.py): its posts
 stay pending until the room's own timeouts, or the engine, end them.
+
+A message counts only from its rank's own connection (ROUTER routing id = the rank, one hello
+each); the socket sits in the instance's 0700 directory (tp_ranks.py), so no other user connects.
 """
 
 from __future__ import annotations
@@ -62,10 +65,13 @@ class RankLink:
         self._pending: dict[int, int] = {}  # seq -> rank
         self._results: dict[int, RankDone] = {}
         self._busy = False
+        self.refused = 0  # messages dropped because they came from the wrong connection
+        self._ranks = 0  # ranks 1.._ranks may say hello (wait_hellos)
 
     def wait_hellos(self, n: int, timeout_s: float) -> list[RankHello]:
         """Ranks 1..n, each with its agent and KV slice (sent before the ranks' start barrier)."""
         deadline = time.monotonic() + timeout_s
+        self._ranks = n
         while len(self.hellos) < n:
             left = deadline - time.monotonic()
             if left <= 0 or not self.sock.poll(max(1, int(left * 1000))):
@@ -83,11 +89,18 @@ class RankLink:
             except zmq.Again:
                 return
             msg = decode_from_rank(frames[-1])
+            sender = frames[0] if len(frames) > 1 else b""
             if isinstance(msg, RankHello):
+                if sender != str(msg.rank).encode() or msg.rank in self.hellos or not 1 <= msg.rank <= self._ranks:
+                    self._refuse(sender, f"hello as rank {msg.rank}")
+                    continue
                 self.hellos[msg.rank] = msg
                 self.stats[msg.rank] = RankStats(msg.registered_bytes)
             elif msg.seq in self._pending:
                 rank = self._pending[msg.seq]
+                if sender != str(rank).encode():  # only the rank the post went to reports it
+                    self._refuse(sender, f"report of rank {rank}'s post {msg.seq}")
+                    continue
                 st = self.stats[rank]
                 if msg.ok:
                     st.descriptors += msg.ndescs
@@ -95,6 +108,10 @@ class RankLink:
                 else:
                     st.failed_posts += 1
                 self._results[msg.seq] = msg
+
+    def _refuse(self, sender: bytes, what: str) -> None:
+        self.refused += 1
+        log.warning("TP link: dropped a %s from connection %r (not that rank's)", what, sender[:16])
 
     def _send(self, rank: int, msg: ToRank) -> None:
         try:

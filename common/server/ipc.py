@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import secrets
+import shutil
 import tempfile
 import time
 from dataclasses import dataclass
@@ -46,22 +46,21 @@ class IpcSendTimeout(RuntimeError):
 
 @dataclass(frozen=True)
 class EngineIpcAddrs:
-    """The two ipc:// endpoints of one instance; unique per launch (pid + random suffix)."""
+    """The two ipc:// endpoints of one instance, in a directory of their own (mode 0700, unique
+    per launch): another user can neither connect to them nor list them, whatever the umask."""
 
+    dir: str
     requests: str
     replies: str
 
     @classmethod
     def new(cls, tag: str = "pdserve") -> EngineIpcAddrs:
-        stem = os.path.join(tempfile.gettempdir(), f"{tag}_{os.getpid()}_{secrets.token_hex(4)}")
-        return cls(requests=f"ipc://{stem}_req", replies=f"ipc://{stem}_rep")
+        path = tempfile.mkdtemp(prefix=f"{tag}_{os.getpid()}_")  # 0700, O_EXCL-style unique
+        return cls(dir=path, requests=f"ipc://{path}/req", replies=f"ipc://{path}/rep")
 
     def remove_files(self) -> None:
-        for addr in (self.requests, self.replies):
-            try:
-                os.unlink(addr.removeprefix("ipc://"))
-            except FileNotFoundError:
-                pass
+        """The directory and all in it (sockets, the step clock)."""
+        shutil.rmtree(self.dir, ignore_errors=True)
 
 
 def _socket(ctx: zmq.Context, kind: int, *, hwm: int = 0) -> zmq.Socket:

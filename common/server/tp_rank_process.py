@@ -49,6 +49,8 @@ def _serve(args: ServerArgs, rank: int, addrs: TPAddrs, parent_pid: int) -> None
     tp.barrier()
     logger.info("TP rank %d of %d ready on %s (%d KV heads)", rank, tp.size, device, rw.runner.kv_pool.num_kv_heads)
     follower.serve(lambda: os.getppid() == parent_pid)
+    if os.getppid() != parent_pid:  # rank 0 was killed: nobody else removes the meeting directory
+        addrs.remove_dir()
 
 
 def _start_transfer_agent(args: ServerArgs, rank: int, addrs: TPAddrs, pool: KVPool) -> None:

@@ -3,7 +3,11 @@
     engine process = rank 0 (scheduler, ZMQ to the frontend, its shard of the model)
       └─ TPRanks.start(): ranks 1..N-1, each tp_rank_process.tp_rank_main in a spawned process
     all N join one torch.distributed group (gloo on CPU, NCCL on CUDA; init through a file
-    store next to the instance's ipc files), load their shard, meet at a barrier, then serve.
+    store in the instance's private directory), load their shard, meet at a barrier, then serve.
+
+The ranks meet only where other local users cannot: the file store and every ipc socket live in
+one 0700 directory (security review 2, M5; removed when the instance stops), and gloo/NCCL listen
+on --host's interface (L10; an operator's GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME win).
     PD roles: before the barrier each rank r > 0 starts its own KV transfer agent, which says
     hello on TPAddrs.kv_link to rank 0's KVManager (kv_transfer/rank_agent.py, rank_link.py).
 
@@ -18,7 +22,7 @@ from __future__ import annotations
 import logging
 import multiprocessing
 import os
-import secrets
+import shutil
 import signal
 import tempfile
 import threading
@@ -30,6 +34,7 @@ import torch
 from common.model.tensor_parallel import TPGroup
 from common.scheduler.tp_worker import StepFanout, TPStop
 from common.server.server_args import ServerArgs
+from kv_transfer.ucx_env import interface_of
 
 logger = logging.getLogger(__name__)
 
@@ -39,28 +44,35 @@ START_WATCH_S = 0.5
 
 @dataclass(frozen=True)
 class TPAddrs:
-    """Where the ranks of one instance meet: the distributed init file and each rank's step inbox."""
+    """Where the ranks of one instance meet: the distributed init file and each rank's step inbox,
+    all in `dir` (0700: no other user connects to a socket or reads the store)."""
 
+    dir: str
     dist_init: str  # file:// init_method of torch.distributed
-    steps: tuple[str, ...]  # ipc:// inbox of ranks 1..N-1 (abstract: no file)
+    steps: tuple[str, ...]  # ipc:// inbox of ranks 1..N-1
     kv_pools: tuple[str, ...]  # decode on CPU: each rank's KV pool file (rank 0 maps them: retraction); else ()
     kv_link: str  # PD: rank 0's KVManager, where the KV transfer agents of ranks 1..N-1 connect
+    ifname: str | None = None  # --host's interface, for gloo/NCCL's listeners; None: a wildcard host
 
     @classmethod
-    def new(cls, size: int, kv_files: bool = False) -> TPAddrs:
+    def new(cls, size: int, kv_files: bool = False, host: str = "127.0.0.1") -> TPAddrs:
         """kv_files: the ranks' KV pools live in shared files (decode, whose retraction copies
         every rank's heads through rank 0); elsewhere each rank's pool is its own memory."""
-        tag = f"pdserve_tp_{os.getpid()}_{secrets.token_hex(4)}"
-        stem = os.path.join(tempfile.gettempdir(), tag)
+        path = tempfile.mkdtemp(prefix=f"pdserve_tp_{os.getpid()}_")
+        tag = os.path.basename(path)
         shm = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
-        # steps: Linux abstract ipc sockets (no file to leave behind)
-        return cls(dist_init=f"file://{stem}_dist", steps=tuple(f"ipc://@{tag}_rank{r}" for r in range(1, size)),
+        return cls(dir=path, dist_init=f"file://{path}/dist", steps=tuple(f"ipc://{path}/rank{r}" for r in range(1, size)),
                    kv_pools=tuple(os.path.join(shm, f"{tag}_kv{r}") for r in range(size)) if kv_files else (),
-                   kv_link=f"ipc://@{tag}_kvlink")
+                   kv_link=f"ipc://{path}/kvlink", ifname=interface_of(host))
 
     def remove_files(self) -> None:
-        """Unlinked files stay valid where they are open or mapped (sockets, store, KV pools)."""
+        """Unlinked files stay valid where they are open or mapped (store, KV pools); the sockets
+        stay until remove_dir (a rank's transfer agent may still be connecting)."""
         _unlink([self.dist_init.removeprefix("file://"), *self.kv_pools])
+
+    def remove_dir(self) -> None:
+        self.remove_files()
+        shutil.rmtree(self.dir, ignore_errors=True)
 
 
 def _unlink(paths: list[str] | tuple[str, ...]) -> None:
@@ -81,6 +93,9 @@ def init_tp_group(rank: int, size: int, addrs: TPAddrs, device: torch.device, ti
     """Join the instance's group. NCCL carries activations on CUDA; gloo carries them on CPU
     (and, on CUDA, the start barrier)."""
     backend = "nccl" if device.type == "cuda" else "gloo"
+    if addrs.ifname is not None:  # gloo/NCCL listen where --host is, not on the hostname's interface
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", addrs.ifname)
+        os.environ.setdefault("NCCL_SOCKET_IFNAME", addrs.ifname)
     torch.distributed.init_process_group(
         backend, init_method=addrs.dist_init, rank=rank, world_size=size, timeout=timedelta(seconds=timeout_s)
     )
@@ -93,7 +108,7 @@ class TPRanks:
 
     def __init__(self, args: ServerArgs) -> None:
         self.size = args.tp_size
-        self.addrs = TPAddrs.new(self.size, kv_files=args.disaggregation_mode == "decode")
+        self.addrs = TPAddrs.new(self.size, kv_files=args.disaggregation_mode == "decode", host=args.host)
         self.fanout = StepFanout(list(self.addrs.steps), self.dead_reason)
         self._started = threading.Event()
         ctx = multiprocessing.get_context("spawn")
@@ -124,7 +139,7 @@ class TPRanks:
             dead = self.dead_reason()
             if dead is not None:
                 logger.error("%s while the instance was starting; the engine exits", dead)
-                self.addrs.remove_files()
+                self.addrs.remove_dir()
                 os._exit(1)
 
     def dead_reason(self) -> str | None:
@@ -158,4 +173,4 @@ class TPRanks:
         self.fanout.close()
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
-        self.addrs.remove_files()
+        self.addrs.remove_dir()

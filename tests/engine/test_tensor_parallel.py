@@ -46,9 +46,11 @@ def test_tp_greedy_equals_transformers(tp_engine: tuple[Engine, str]) -> None:
     assert engine.core.tp_ranks is not None and engine.core.tp_ranks.dead_reason() is None
     tp_size = engine.core.tp_ranks.size
     assert engine.core.kv_pool.num_kv_heads == max(1, kv_heads // tp_size)
-    # the ranks' meeting files (store, KV pool mappings) are gone once everyone joined
-    assert glob.glob(f"{tempfile.gettempdir()}/pdserve_tp_{os.getpid()}_*") + glob.glob(
-        f"/dev/shm/pdserve_tp_{os.getpid()}_*") == []
+    # the ranks' meeting files (store, KV pool mappings) are gone once everyone joined; what is
+    # left is their private directory (0700) with the step sockets, removed at shutdown
+    assert glob.glob(f"/dev/shm/pdserve_tp_{os.getpid()}_*") == []
+    assert glob.glob(f"{tempfile.gettempdir()}/pdserve_tp_{os.getpid()}_*") == [engine.core.tp_ranks.addrs.dir]
+    assert sorted(os.listdir(engine.core.tp_ranks.addrs.dir)) == [f"rank{r}" for r in range(1, tp_size)]
     rng = random.Random(5)
     shared = [rng.randrange(3, engine.vocab_size) for _ in range(40)]
     first = workload(engine.vocab_size, 6, seed=2, shared=shared)
