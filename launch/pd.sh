@@ -73,6 +73,13 @@ Multi-node:
                           Example for network namespaces: 'ip netns exec {host}'
   --remote-repo DIR       repository checkout on remote hosts (default: this one's path)
 
+KV data plane (UCX over TCP authenticates nothing: README, Security, H1):
+  --ucx-tcp-port-range LO-HI  every role's UCX_TCP_PORT_RANGE (default: $UCX_TCP_PORT_RANGE, else
+                          UCX's ephemeral ports), so firewall rules can name UCX's ports exactly
+  --firewall-rules        print an nftables ruleset per instance host that lets only the hosts
+                          of this launch reach its HTTP, bootstrap and UCX ports, start nothing
+                          (needs --ucx-tcp-port-range; load with `nft -f` on each host)
+
 Process control:
   --python PY             interpreter (default: .venv/bin/python if present, else python3)
   --log-dir DIR           per-role logs + `pids` file (default ./logs/pd-<time>-<pid>)
@@ -86,6 +93,7 @@ EOF
 die() { echo "pd.sh: $*" >&2; exit 2; }
 
 SECRET_SRC="" API_KEY_SRC="" ADMIN_KEY_SRC="" MODEL_PATH="" DTYPE="" PAGE_SIZE="" GPUS_PER_HOST=0 HOSTS_FILE="" LOG_DIR="" PY="" REPO_REMOTE="" DRY_RUN=0
+FIREWALL=0 UCX_PORTS=${UCX_TCP_PORT_RANGE:-}
 HOST=127.0.0.1 ROUTER_PORT=30000 NUM_PREFILL=1 NUM_DECODE=1 NUM_COLOCATED=0
 PREFILL_PORT=30100 DECODE_PORT=30200 BOOTSTRAP_PORT=8998
 START_TIMEOUT=600 STOP_TIMEOUT=20 CMD_TIMEOUT=60
@@ -98,6 +106,8 @@ while (($#)); do
     case $flag in
         -h | --help) usage; exit 0 ;;
         --dry-run) DRY_RUN=1; shift; continue ;;
+        --firewall-rules) FIREWALL=1; shift; continue ;;
+        --ucx-tcp-port-range) UCX_PORTS=$v ;;
         --model-path) MODEL_PATH=$v ;;
         --dtype) DTYPE=$v ;;
         --page-size) PAGE_SIZE=$v ;;
@@ -137,6 +147,10 @@ for pair in gpus-per-host:GPUS_PER_HOST port:ROUTER_PORT num-prefill:NUM_PREFILL
     [[ ${!n} =~ ^[0-9]+$ ]] || die "--${pair%%:*} must be a non-negative integer, got '${!n}'"
 done
 for kv in "${ROLE_ENV[@]}"; do [[ $kv == [A-Za-z_]*=* ]] || die "--env takes KEY=VALUE, got '$kv'"; done
+if [[ -n $UCX_PORTS ]]; then
+    [[ $UCX_PORTS =~ ^([0-9]+)-([0-9]+)$ ]] && ((BASH_REMATCH[1] >= 1024 && BASH_REMATCH[1] <= BASH_REMATCH[2] \
+        && BASH_REMATCH[2] < 65536)) || die "--ucx-tcp-port-range takes LO-HI (1024 <= LO <= HI < 65536), got '$UCX_PORTS'"
+fi
 ((NUM_PREFILL >= 1 && NUM_DECODE >= 1)) || die "need at least one prefill and one decode instance"
 REPO_REMOTE=${REPO_REMOTE:-$REPO}
 if [[ -z $PY ]]; then
@@ -158,9 +172,10 @@ for a in "${ROUTER_ARGS[@]}" "${INSTANCE_ARGS[@]}" "${PREFILL_ARGS[@]}" "${DECOD
 done
 for v in $(compgen -e); do
     [[ $v == UCX_* || $v == NIXL_* || $v == PDSERVE_* ]] && [[ $v != PDSERVE_EXEC_PREFIX_TEMPLATE ]] \
-        && [[ $KEY_VARS != *" $v "* ]] \
+        && [[ $KEY_VARS != *" $v "* && $v != UCX_TCP_PORT_RANGE ]] \
         && ROLE_ENV=("$v=${!v}" "${ROLE_ENV[@]}")
 done
+[[ -n $UCX_PORTS ]] && ROLE_ENV=("UCX_TCP_PORT_RANGE=$UCX_PORTS" "${ROLE_ENV[@]}")
 is_secret_name() { local n=${1^^}; [[ $n == *KEY* || $n == *SECRET* || $n == *TOKEN* || $n == *PASSWORD* || $n == *CREDENTIAL* ]]; }
 SECRET_ENV=() plain=()
 for kv in "${ROLE_ENV[@]}"; do
@@ -242,6 +257,43 @@ if ((GPUS_PER_HOST)); then
         ROLE_GPU[i]=$gpu
         HOST_GPUS[$h]=$((gpu + 1))
     done
+fi
+
+firewall_rules() {
+    # one nftables ruleset per host that runs an instance: its HTTP, bootstrap and UCX ports take
+    # connections from this launch's hosts only (local users of a host are not covered: a private
+    # network namespace per deployment is the recipe for that, README Security H1)
+    [[ -n $UCX_PORTS ]] || die "--firewall-rules needs --ucx-tcp-port-range (or \$UCX_TCP_PORT_RANGE): UCX's ports must be known"
+    local i h peers="" fam ports
+    local -A seen=() host_ports=() host_names=()
+    local order=()
+    for i in "${!ROLE_KIND[@]}"; do
+        h=${ROLE_HOST[$i]}
+        [[ -n ${seen[$h]:-} ]] || { seen[$h]=1; peers+="${peers:+, }$h"; }
+        [[ ${ROLE_KIND[$i]} == router ]] && continue
+        [[ -n ${host_names[$h]:-} ]] || order+=("$h")
+        host_names[$h]+="${host_names[$h]:+ }${ROLE_NAME[$i]}"
+        host_ports[$h]+="${ROLE_PORT[$i]}, ${ROLE_BPORT[$i]:+${ROLE_BPORT[$i]}, }"
+    done
+    for h in "${order[@]}"; do
+        fam=ip
+        [[ $h == *:* ]] && fam=ip6
+        ports="${host_ports[$h]}${UCX_PORTS}"
+        echo "# pdserve firewall for $h (${host_names[$h]}): nft -f FILE on that host; ports: HTTP, bootstrap, UCX"
+        echo "# (TP>1 gloo/NCCL and an unpinned --kv-events-port listen on ephemeral ports of --host, not listed)"
+        echo "table inet pdserve {"
+        echo "    chain input {"
+        echo "        type filter hook input priority filter; policy accept;"
+        echo "        tcp dport { $ports } $fam saddr { $peers } accept"
+        echo "        tcp dport { $ports } drop"
+        echo "    }"
+        echo "}"
+    done
+}
+
+if ((FIREWALL)); then
+    firewall_rules
+    exit 0
 fi
 
 if ((DRY_RUN)); then

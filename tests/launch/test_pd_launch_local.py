@@ -302,3 +302,23 @@ def test_colocated_mode_puts_instances_behind_the_router_as_workers(tmp_path: Pa
         ["bash", str(PD_SH), "--hosts", str(hosts), "--dry-run"], capture_output=True, text=True, timeout=30
     )
     assert res.returncode == 2 and "mixes colocated with prefill/decode" in res.stderr
+
+
+def test_firewall_rules_name_this_launchs_hosts_and_ucx_ports(tmp_path: Path) -> None:
+    """H1 (security review 2): UCX over TCP authenticates nothing, so pd.sh prints per-host nftables
+    rules from its hosts file, with UCX's ports pinned (UCX_TCP_PORT_RANGE in every role's env)."""
+    hosts = tmp_path / "hosts"
+    hosts.write_text("router 10.9.0.1 8000\nprefill 10.9.0.2\ndecode 10.9.0.2\ndecode 10.9.0.3 9000\n")
+    common = ["--hosts", str(hosts), "--model-path", "/m", "--log-dir", str(tmp_path / "logs")]
+    rules = dry_run(*common, "--ucx-tcp-port-range", "41000-41099", "--firewall-rules").splitlines()
+    peers = "ip saddr { 10.9.0.2, 10.9.0.3, 10.9.0.1 }"
+    assert rules[0].startswith("# pdserve firewall for 10.9.0.2 (prefill-0 decode-0)")
+    assert f"        tcp dport {{ 30100, 8998, 30200, 41000-41099 }} {peers} accept" in rules
+    assert "        tcp dport { 30100, 8998, 30200, 41000-41099 } drop" in rules
+    assert f"        tcp dport {{ 9000, 41000-41099 }} {peers} accept" in rules
+    assert sum(line.startswith("table inet pdserve") for line in rules) == 2  # the router's host runs no instance
+    cmds = dry_run(*common, "--ucx-tcp-port-range", "41000-41099")
+    assert cmds.count("env UCX_TCP_PORT_RANGE=41000-41099 ") == 4
+    res = subprocess.run(["bash", str(PD_SH), *common, "--firewall-rules"], capture_output=True, text=True, timeout=30,
+                         env={k: v for k, v in os.environ.items() if not k.startswith("UCX_")})
+    assert res.returncode == 2 and "needs --ucx-tcp-port-range" in res.stderr

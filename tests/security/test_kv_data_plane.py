@@ -28,6 +28,7 @@ from tests.launch.netns_lab import LabUnavailable, NetnsLab
 from tests.security.ucx_peers import attack
 
 CANARY_TEXT = "written-by-a-stranger"
+PORT_RANGE = "47100-47899"
 UCT_CONN_ACK_AND_PUT_ACK = "2004000000020000002204000000"  # CM ACK event 2; PUT_ACK am 34 (prefix checked)
 
 
@@ -58,9 +59,9 @@ def _record(child: ChildProcess, key: str, timeout_s: float = 60.0) -> dict[str,
     return found[0]
 
 
-def _victim(host: str, netns: str | None = None) -> ChildProcess:
+def _victim(host: str, netns: str | None = None, env: dict[str, str] | None = None) -> ChildProcess:
     prefix = ["ip", "netns", "exec", netns] if netns else []
-    return ChildProcess([*prefix, *_peer("victim", host)], f"ucx-victim-{host}")
+    return ChildProcess([*prefix, *_peer("victim", host)], f"ucx-victim-{host}", env=env)
 
 
 def _attack_from_here(host: str, victim: dict[str, Any]) -> list[str]:
@@ -78,11 +79,13 @@ def _attack_from_here(host: str, victim: dict[str, Any]) -> list[str]:
 
 
 def test_h1_any_local_process_writes_into_an_instance_over_lo() -> None:
-    """The property on one host without isolation: no NIXL metadata, no key, one connection."""
-    v = _victim("127.0.0.1")
+    """The property on one host without isolation: no NIXL metadata, no key, one connection.
+    UCX honours a pinned UCX_TCP_PORT_RANGE (what pd.sh --ucx-tcp-port-range sets for firewalls)."""
+    v = _victim("127.0.0.1", env={"UCX_TCP_PORT_RANGE": PORT_RANGE})
     try:
         victim = _record(v, "addr")
-        assert victim["ports"], v.log()
+        lo, hi = map(int, PORT_RANGE.split("-"))
+        assert victim["ports"] and all(lo <= p <= hi for p in victim["ports"]), victim
         replies = _attack_from_here("127.0.0.1", victim)
         assert _record(v, "canary", 30)["canary"] == CANARY_TEXT, v.log()
         assert any(r.startswith(UCT_CONN_ACK_AND_PUT_ACK[:18]) for r in replies), replies  # UCX said CONN_ACK
