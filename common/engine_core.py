@@ -253,13 +253,16 @@ def build_engine_core(
     extra_req_rows: int = EXTRA_REQ_ROWS,
     on_worker_start: Callable[[], None] | None = None,
     publish_kv_events: bool = False,
+    run_dir: str | None = None,
 ) -> EngineCore:
     """The overlap loop on CPU builds on a short-lived thread, so that the worker thread's
-    OpenMP pool is the process's only one (intra_op.py: a second pool slows every step)."""
+    OpenMP pool is the process's only one (intra_op.py: a second pool slows every step).
+    run_dir: a private directory the TP ranks meet in (an instance's; None: a new one in /tmp)."""
 
     def build() -> EngineCore:
         return _build_engine_core(args, output, role=role, extra_req_rows=extra_req_rows,
-                                  on_worker_start=on_worker_start, publish_kv_events=publish_kv_events)
+                                  on_worker_start=on_worker_start, publish_kv_events=publish_kv_events,
+                                  run_dir=run_dir)
 
     if args.overlap_schedule and args.resolved_device() == "cpu":
         return run_on_fresh_thread(build)
@@ -274,6 +277,7 @@ def _build_engine_core(
     extra_req_rows: int,
     on_worker_start: Callable[[], None] | None,
     publish_kv_events: bool,
+    run_dir: str | None = None,
 ) -> EngineCore:
     if not role.radix_cache and not args.disable_radix_cache:
         args = dataclasses.replace(args, disable_radix_cache=True)
@@ -282,7 +286,7 @@ def _build_engine_core(
     if args.tp_size > 1 and extra_req_rows != EXTRA_REQ_ROWS:
         raise ValueError("TP ranks build their req_to_token table with the default extra rows")
     if args.tp_size > 1:  # this process becomes rank 0 of tp_size
-        tp_ranks = TPRanks(args)
+        tp_ranks = TPRanks(args, run_dir)
         tp_ranks.start()
     try:
         if tp_ranks is not None:

@@ -44,11 +44,14 @@ PARENT_CHECK_S = 1.0
 
 
 class EngineLoop:
-    def __init__(self, args: ServerArgs, channel: EngineChannel, role: RoleSpec = COLOCATED) -> None:
+    def __init__(self, args: ServerArgs, channel: EngineChannel, role: RoleSpec = COLOCATED,
+                 run_dir: str | None = None) -> None:
+        """run_dir: the instance's private directory (EngineIpcAddrs.dir), where TP ranks meet."""
         self.args = args
         self.channel = channel
         self.role = role
-        self.core: EngineCore = build_engine_core(args, self._send_tokens, role=role, publish_kv_events=True)
+        self.core: EngineCore = build_engine_core(args, self._send_tokens, role=role, publish_kv_events=True,
+                                                  run_dir=run_dir)
         self.scheduler = self.core.scheduler
         self.eos_token_ids = frozenset(self.core.model_config.eos_token_ids)
         self._parent = os.getppid()
@@ -159,7 +162,7 @@ def engine_main(args: ServerArgs, addrs: EngineIpcAddrs, role: RoleSpec = COLOCA
     channel = EngineChannel(addrs)
     step_clock = StepClock.attach(step_clock_path(addrs))
     try:
-        loop = EngineLoop(args, channel, role)
+        loop = EngineLoop(args, channel, role, run_dir=addrs.dir)
         stats = loop.core.ready_stats()
         logger.info(
             "engine ready: model %s, KV pool %d tokens (%.1f MiB)",

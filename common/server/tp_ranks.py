@@ -55,11 +55,13 @@ class TPAddrs:
     ifname: str | None = None  # --host's interface, for gloo/NCCL's listeners; None: a wildcard host
 
     @classmethod
-    def new(cls, size: int, kv_files: bool = False, host: str = "127.0.0.1") -> TPAddrs:
+    def new(cls, size: int, kv_files: bool = False, host: str = "127.0.0.1", parent: str | None = None) -> TPAddrs:
         """kv_files: the ranks' KV pools live in shared files (decode, whose retraction copies
-        every rank's heads through rank 0); elsewhere each rank's pool is its own memory."""
-        path = tempfile.mkdtemp(prefix=f"pdserve_tp_{os.getpid()}_")
-        tag = os.path.basename(path)
+        every rank's heads through rank 0); elsewhere each rank's pool is its own memory.
+        parent: the instance's own 0700 directory (removed with it when the frontend stops, even
+        if the engine was killed); None: a new directory in /tmp."""
+        path = tempfile.mkdtemp(prefix=f"pdserve_tp_{os.getpid()}_", dir=parent)
+        tag = f"pdserve_tp_{os.getpid()}_{os.path.basename(path).rsplit('_', 1)[-1]}"
         shm = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
         return cls(dir=path, dist_init=f"file://{path}/dist", steps=tuple(f"ipc://{path}/rank{r}" for r in range(1, size)),
                    kv_pools=tuple(os.path.join(shm, f"{tag}_kv{r}") for r in range(size)) if kv_files else (),
@@ -106,9 +108,10 @@ def init_tp_group(rank: int, size: int, addrs: TPAddrs, device: torch.device, ti
 class TPRanks:
     """Rank 0's handle on ranks 1..N-1: start them, know when one died, stop them."""
 
-    def __init__(self, args: ServerArgs) -> None:
+    def __init__(self, args: ServerArgs, run_dir: str | None = None) -> None:
         self.size = args.tp_size
-        self.addrs = TPAddrs.new(self.size, kv_files=args.disaggregation_mode == "decode", host=args.host)
+        self.addrs = TPAddrs.new(self.size, kv_files=args.disaggregation_mode == "decode", host=args.host,
+                                 parent=run_dir)
         self.fanout = StepFanout(list(self.addrs.steps), self.dead_reason)
         self._started = threading.Event()
         ctx = multiprocessing.get_context("spawn")

@@ -98,6 +98,11 @@ def test_m5_tp_addresses_are_files_in_a_private_directory() -> None:
     finally:
         addrs.remove_dir()
     assert not os.path.exists(addrs.dir)
+    run = EngineIpcAddrs.new("pdserve_sec")  # an instance's engine: the ranks meet inside its directory,
+    nested = TPAddrs.new(2, parent=run.dir)  # which the frontend removes even when the engine was killed
+    assert Path(nested.dir).parent == Path(run.dir) and nested.kv_link.startswith(f"ipc://{run.dir}/")
+    run.remove_files()
+    assert not os.path.exists(nested.dir)
 
 
 class LinkRig:
