@@ -34,7 +34,8 @@ def rdma_ports(root: str = SYS_INFINIBAND) -> list[str]:
         ports = os.path.join(root, dev, "ports")
         for port in sorted(os.listdir(ports)) if os.path.isdir(ports) else []:
             try:
-                state = open(os.path.join(ports, port, "state")).read()
+                with open(os.path.join(ports, port, "state")) as f:
+                    state = f.read()
             except OSError:
                 continue
             if "ACTIVE" in state:

@@ -4,10 +4,6 @@
       └─ TPRanks.start(): ranks 1..N-1, each tp_rank_process.tp_rank_main in a spawned process
     all N join one torch.distributed group (gloo on CPU, NCCL on CUDA; init through a file
     store in the instance's private directory), load their shard, meet at a barrier, then serve.
-
-The ranks meet only where other local users cannot: the file store and every ipc socket live in
-one 0700 directory (security review 2, M5; removed when the instance stops), and gloo/NCCL listen
-on --host's interface (L10; an operator's GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME win).
     PD roles: before the barrier each rank r > 0 starts its own KV transfer agent, which says
     hello on TPAddrs.kv_link to rank 0's KVManager (kv_transfer/rank_agent.py, rank_link.py).
 
@@ -15,6 +11,10 @@ Rank r runs on cuda:(base_gpu_id + r). A rank that dies takes the instance down:
 it (dead_reason, or a collective that raises) and exits, which fails the frontend's /health;
 the other ranks exit when rank 0 is gone (their collectives raise, or their parent is gone).
 TP 1 never comes here: no extra process, no torch.distributed.
+
+The ranks meet only where other local users cannot: the file store and every ipc socket live in
+one 0700 directory (security review 2, M5; removed when the instance stops), and gloo/NCCL listen
+on --host's interface (L10; an operator's GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME win).
 """
 
 from __future__ import annotations
