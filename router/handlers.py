@@ -32,7 +32,7 @@ from fastapi.responses import Response
 
 from common.server.stream_cutoff import CutOffStreamingResponse
 from router.errors import ApiError, UpstreamError
-from router.fields import decode_json_object
+from router.fields import check_json_content_type, decode_json_object
 from router.native_response import CumulativeEvents, prompt_only, sse_event
 from router.openai_request import safe_rid
 from router.openai_response import SSE_DONE, ResponseFormatter, sse
@@ -140,12 +140,14 @@ class GenerationHandler:
             label = None
         try:
             self.router.admission.check_full()
-            raw = await read_body(request, self.max_body)
             ctype = request.headers.get("content-type")
+            check_json_content_type(ctype)  # 415 before reading a body (the connection then closes)
+            raw = await read_body(request, self.max_body)
             session = request.headers.get("x-session-id")
             if len(raw) > OFFLOAD_BYTES:
-                loop = asyncio.get_running_loop()
-                plan = await loop.run_in_executor(self._parse_pool, self._parse, raw, ctype, api, session)
+                with self.router.admission.parsing():
+                    loop = asyncio.get_running_loop()
+                    plan = await loop.run_in_executor(self._parse_pool, self._parse, raw, ctype, api, session)
             else:
                 plan = self._parse(raw, ctype, api, session)
         except ApiError as e:
