@@ -22,7 +22,7 @@ import dataclasses
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, TypeVar
 
@@ -49,6 +49,7 @@ T = TypeVar("T")
 _ENC = msgspec.json.Encoder()
 ROUTES: dict[Api, str] = {"completion": "/v1/completions", "chat": "/v1/chat/completions", "generate": "/generate"}
 OFFLOAD_BYTES = 32 << 10  # bodies above this are parsed (JSON, template, tokenizer) off the event loop
+OFFLOAD_PROMPT_LOGPROBS = 4096  # first events with more prompt logprob entries are formatted off the loop
 
 
 class ClientGone(Exception):
@@ -96,6 +97,15 @@ async def _disconnected(request: Request) -> None:
     receive = request.receive
     while (await receive())["type"] != "http.disconnect":
         pass
+
+
+async def _off_loop_if_big(plan: GenerationPlan, fn: Callable[[], bytes]) -> bytes:
+    """fn() in a thread when it formats many prompt logprobs (a dict and a token text each), so
+    one echo request does not stall every other client; else inline."""
+    if plan.prompt_logprob_start < 0:
+        return fn()
+    entries = (len(plan.input_ids) - plan.prompt_logprob_start) * max(1, plan.top_logprobs_num)
+    return await asyncio.to_thread(fn) if entries > OFFLOAD_PROMPT_LOGPROBS else fn()
 
 
 def _relabel(ev: WorkerEvent, label: str) -> WorkerEvent:
@@ -175,7 +185,8 @@ class GenerationHandler:
             if api == "generate":
                 out = _ENC.encode(prompt_only(first.data)) if plan.prompt_only else first.raw
                 return json_response(out, 200, label)
-            return json_response(ResponseFormatter(plan, label, self.router.model).full(first.data), 200, label)
+            fmt = ResponseFormatter(plan, label, self.router.model)
+            return json_response(await _off_loop_if_big(plan, lambda: fmt.full(first.data)), 200, label)
         self.metrics.ttft.labels(route).observe(time.perf_counter() - t0)
         return CutOffStreamingResponse(
             self._stream(plan, rid, label, relabel, run, first, route, t0), run.cut_off,
@@ -191,12 +202,12 @@ class GenerationHandler:
         last = time.perf_counter()
         try:
             if fmt is not None:
-                yield fmt.chunk(first.data)
+                yield await _off_loop_if_big(plan, lambda: fmt.chunk(first.data))
             elif plan.prompt_only:
-                yield sse_event(prompt_only(first.data))
+                yield await _off_loop_if_big(plan, lambda: sse_event(prompt_only(first.data)))
             elif cumulative is not None:
                 cumulative.add(first.data)
-                yield cumulative.event()
+                yield await _off_loop_if_big(plan, cumulative.event)
             else:
                 yield b"data: " + first.raw + b"\n\n"
             try:

@@ -260,9 +260,10 @@ def test_m6_cheap_checks_come_first(pd: tuple[RouterProc, StubWorker, StubWorker
     assert ok.status_code == 200, ok.text
 
 
-def test_m1_prompt_logprobs_are_bounded(pd: tuple[RouterProc, StubWorker, StubWorker]) -> None:
+def test_m1_prompt_logprobs_are_bounded(pd: tuple[RouterProc, StubWorker, StubWorker], inst: ServerProcess) -> None:
     """echo + logprobs on /v1/completions, logprob_start_len + top_logprobs_num on /generate: past
-    --max-prompt-logprob-entries ((prompt - start) x max(1, top)) a 400 that no worker sees."""
+    --max-prompt-logprob-entries ((prompt - start) x max(1, top)) a 400 that no worker sees; an
+    instance holds its own bound (default 100,000) for clients that reach it directly."""
     r, p, d = pd
     ids = list(range(5, 5 + 200))  # 200 prompt tokens x 20 = 4,000 entries > 2,000
     _refused(r, (p, d), "/v1/completions", {"prompt": ids, "echo": True, "logprobs": 20, "max_tokens": 1},
@@ -275,6 +276,10 @@ def test_m1_prompt_logprobs_are_bounded(pd: tuple[RouterProc, StubWorker, StubWo
         assert httpx.post(r.url + "/generate", json=body, timeout=30).status_code == 200
     ok = {"prompt": ids[:100], "echo": True, "logprobs": 20, "max_tokens": 1}
     assert httpx.post(r.url + "/v1/completions", json=ok, timeout=30).status_code == 200
+    direct = {**gen, "input_ids": [5] * 6000}  # 6,000 x 20 = 120,000 entries
+    resp = httpx.post(inst.url + "/generate", json=direct, timeout=30)
+    assert resp.status_code == 400 and "--max-prompt-logprob-entries" in resp.text, resp.text
+    assert httpx.post(inst.url + "/generate", json={**direct, "logprob_start_len": 1000}, timeout=30).status_code == 200
 
 
 def test_m6_the_parse_backlog_counts_against_the_queue() -> None:
