@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, TypeVar
 import msgspec
 from fastapi import Request
 from fastapi.responses import Response
+from starlette.requests import ClientDisconnect
 
 from common.server.stream_cutoff import CutOffStreamingResponse
 from router.errors import ApiError, UpstreamError
@@ -69,11 +70,14 @@ async def read_body(request: Request, limit: int) -> bytes:
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise ApiError(413, f"request body is {declared} bytes; the limit is {limit}", code="payload_too_large")
     chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise ApiError(413, f"request body exceeds the limit of {limit} bytes", code="payload_too_large")
-        chunks.append(chunk)
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise ApiError(413, f"request body exceeds the limit of {limit} bytes", code="payload_too_large")
+            chunks.append(chunk)
+    except ClientDisconnect:  # gone, or closed by conn_limits (body deadline, rate, budget): nobody to answer
+        raise ApiError(400, "the client closed the connection before its body was complete") from None
     return b"".join(chunks)
 
 

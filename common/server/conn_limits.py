@@ -120,7 +120,8 @@ class _HeaderDeadline(HttpToolsProtocol):
         super().on_message_complete()
 
     def on_response_complete(self) -> None:
-        if self._body_timer is not None and not self.transport.is_closing():
+        answered = self.cycle is not None and self.cycle.response_complete  # not a pipelined one's
+        if answered and self._body_timer is not None and not self.transport.is_closing():
             # answered before its body was read (401, 413, 503...): nothing more is worth reading
             self._end_body()
             self.transport.close()

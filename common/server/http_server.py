@@ -30,6 +30,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from common.sampling_request import SamplingParamsRequest
 from common.server.generate_response import (
@@ -86,10 +87,13 @@ async def read_json_body(request: Request) -> bytes:
     if declared is not None and declared.isdigit() and int(declared) > MAX_BODY_BYTES:
         raise ApiError(413, f"request body is larger than {MAX_BODY_BYTES} bytes")
     body = bytearray()
-    async for part in request.stream():  # the answer closes the connection (conn_limits.CloseOnReject)
-        body += part
-        if len(body) > MAX_BODY_BYTES:
-            raise ApiError(413, f"request body is larger than {MAX_BODY_BYTES} bytes")
+    try:
+        async for part in request.stream():  # the answer closes the connection (conn_limits.CloseOnReject)
+            body += part
+            if len(body) > MAX_BODY_BYTES:
+                raise ApiError(413, f"request body is larger than {MAX_BODY_BYTES} bytes")
+    except ClientDisconnect:  # gone, or closed by conn_limits (body deadline, rate, budget)
+        raise ApiError(400, "the client closed the connection before its body was complete") from None
     return bytes(body)
 
 
