@@ -8,7 +8,7 @@ import sys
 import uvicorn
 
 from common.cluster_secret import ClusterSecret, ClusterSecretError, is_loopback, require_safe_bind
-from common.server.conn_limits import header_timeout_protocol, raise_nofile_limit
+from common.server.conn_limits import CloseOnReject, header_timeout_protocol, raise_nofile_limit
 from router.app import build_app
 from router.config import RouterConfig
 
@@ -32,8 +32,8 @@ def main(argv: list[str] | None = None) -> None:
     logging.getLogger("router").info("open-file limit %d; api key %s; worker admin %s", nofile,
                                      "required" if cfg.api_key else "off (open)",
                                      "on" if cfg.admin_api_key else "off (/workers answers 403)")
-    uvicorn.run(app, host=cfg.host, port=cfg.port, log_level=cfg.log_level, access_log=False,
-                timeout_keep_alive=30, backlog=4096, http=header_timeout_protocol(cfg.header_timeout))
+    uvicorn.run(CloseOnReject(app), host=cfg.host, port=cfg.port, log_level=cfg.log_level, access_log=False,
+                timeout_keep_alive=30, backlog=4096, http=header_timeout_protocol(cfg.header_timeout, cfg.body_limits))
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@
       else wait (FIFO) until the head finds room -> go
            --queue-timeout passed first          -> 503 + Retry-After (opt-in; default no limit)
     notify()   a request finished or load reports arrived: the head re-checks
+    parsing()  a big body parsed off the loop holds a queue place meanwhile (check_full counts it)
 
 A decode has room for a request when the router's in-flight requests on it are below its
 reported max_running_requests and its predicted free KV tokens (report minus what this router
@@ -20,7 +21,9 @@ so a woken request takes its room before any other task looks.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections import deque
+from collections.abc import Iterator
 
 from router.config import Role, RouterConfig
 from router.errors import ApiError
@@ -49,6 +52,7 @@ class Admission:
         self.metrics = metrics
         self.role: Role = "decode" if cfg.disaggregated else "colocated"
         self._waiters: deque[asyncio.Future[None]] = deque()
+        self.parsing_now = 0  # bodies being parsed in the parse pool (queued there or running)
 
     @property
     def waiting(self) -> int:
@@ -62,10 +66,20 @@ class Admission:
     def check_full(self) -> None:
         """503 at once if the queue is full (a new request would have to wait behind it): the
         handler calls this before it reads the body, so overload costs little router CPU."""
-        if len(self._waiters) >= self.cfg.max_queued_requests:
+        if len(self._waiters) + self.parsing_now >= self.cfg.max_queued_requests:
             self.metrics.queue_rejected.labels("full").inc()
             raise self._busy(f"the router's queue is full ({self.cfg.max_queued_requests} requests wait for a "
-                             f"decode with room)", "queue_full")
+                             f"decode with room or for parsing)", "queue_full")
+
+    @contextlib.contextmanager
+    def parsing(self) -> Iterator[None]:
+        """A place in the queue while a big body waits for (and runs in) the parse pool; 503 if full."""
+        self.check_full()
+        self.parsing_now += 1
+        try:
+            yield
+        finally:
+            self.parsing_now -= 1
 
     async def admit(self, plan: GenerationPlan) -> None:
         if not self._waiters and self.room(plan):

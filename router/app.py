@@ -75,7 +75,8 @@ class Router:
         probe_ids = self.model.encode("ping")[:4]
         self.health = HealthChecker(cfg, self.registry, self.metrics, probe_ids, self.kv_indexes, worker_headers)
         self.parser = RequestParser(self.model, cfg.default_max_tokens_cap, cfg.incremental_streaming_output,
-                                    cfg.enable_priority_scheduling)
+                                    cfg.enable_priority_scheduling, max_chat_messages=cfg.max_chat_messages,
+                                    max_prompt_logprob_entries=cfg.max_prompt_logprob_entries)
         self.handler = GenerationHandler(self)
         self.created = int(time.time())
         self.discovery = ServiceDiscovery.from_config(cfg, self) if cfg.service_discovery else None

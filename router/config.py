@@ -19,7 +19,7 @@ from typing import Literal
 from urllib.parse import urlsplit
 
 from common.secret_file import resolve_secret
-from common.server.conn_limits import DEFAULT_HEADER_TIMEOUT_S
+from common.server.conn_limits import DEFAULT_HEADER_TIMEOUT_S, BodyLimits
 from common.server.liveness import HEALTH_ANSWER_BOUND_S
 
 Role = Literal["prefill", "decode", "colocated"]
@@ -126,6 +126,11 @@ class RouterConfig:
     header_timeout: float = DEFAULT_HEADER_TIMEOUT_S  # seconds a client may take to send a request head
     max_stream_backlog: int = 1024  # worker events held for a streaming client that does not read
     max_prompt_chars: int | None = None  # None: 32 x the context length; checked before tokenizing
+    body_timeout: float = BodyLimits.timeout_s  # head + body within this from the first byte
+    min_body_rate: int = BodyLimits.min_rate  # bytes/s a body must keep up (0: off)
+    max_body_bytes_in_flight: int = BodyLimits.max_in_flight  # unfinished bodies over all connections; 503 past it
+    max_prompt_logprob_entries: int = 100_000  # (prompt - logprob_start_len) x max(1, top logprobs); 400 past it
+    max_chat_messages: int = 2048
     # Kubernetes service discovery (router/discovery): SGLang's flag names
     service_discovery: bool = False
     selector: Selector = ()  # colocated workers' pod labels
@@ -136,6 +141,10 @@ class RouterConfig:
     bootstrap_port_annotation: str = "pdserve.io/bootstrap-port"
     service_discovery_resync: float = 30.0  # seconds between full re-LISTs that repair a missed watch event
     kubeconfig: str | None = None  # None: the in-cluster service account
+
+    @property
+    def body_limits(self) -> BodyLimits:
+        return BodyLimits(self.body_timeout, self.min_body_rate, self.max_body_bytes_in_flight)
 
     @property
     def disaggregated(self) -> bool:
@@ -189,6 +198,10 @@ class RouterConfig:
             raise ValueError("breaker thresholds must be >= 1")
         if self.header_timeout <= 0 or self.max_stream_backlog < 1:
             raise ValueError("header_timeout must be > 0 and max_stream_backlog >= 1")
+        if min(self.body_timeout, self.max_body_bytes_in_flight, self.max_prompt_logprob_entries,
+               self.max_chat_messages) <= 0 or self.min_body_rate < 0:
+            raise ValueError("body_timeout, max_body_bytes_in_flight, max_prompt_logprob_entries and "
+                             "max_chat_messages must be > 0, min_body_rate >= 0")
         if self.max_prompt_chars is not None and self.max_prompt_chars < 1:
             raise ValueError("max_prompt_chars must be >= 1")
         for name in ("api_key", "admin_api_key"):
@@ -285,6 +298,7 @@ def build_parser() -> argparse.ArgumentParser:
         "health_check_interval",
         "health_check_timeout",
         "header_timeout",
+        "body_timeout",
         "breaker_open_seconds",
         "cache_threshold",
         "balance_rel_threshold",
@@ -308,6 +322,10 @@ def build_parser() -> argparse.ArgumentParser:
         "max_connections",
         "max_body_bytes",
         "max_stream_backlog",
+        "min_body_rate",
+        "max_body_bytes_in_flight",
+        "max_prompt_logprob_entries",
+        "max_chat_messages",
     ):
         p.add_argument("--" + name.replace("_", "-"), type=int, default=d[name])
     p.add_argument("--health-unresponsive-timeout", type=float, default=d["health_unresponsive_timeout"],

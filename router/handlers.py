@@ -22,17 +22,18 @@ import dataclasses
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, TypeVar
 
 import msgspec
 from fastapi import Request
 from fastapi.responses import Response
+from starlette.requests import ClientDisconnect
 
 from common.server.stream_cutoff import CutOffStreamingResponse
 from router.errors import ApiError, UpstreamError
-from router.fields import decode_json_object
+from router.fields import check_json_content_type, decode_json_object
 from router.native_response import CumulativeEvents, prompt_only, sse_event
 from router.openai_request import safe_rid
 from router.openai_response import SSE_DONE, ResponseFormatter, sse
@@ -49,6 +50,7 @@ T = TypeVar("T")
 _ENC = msgspec.json.Encoder()
 ROUTES: dict[Api, str] = {"completion": "/v1/completions", "chat": "/v1/chat/completions", "generate": "/generate"}
 OFFLOAD_BYTES = 32 << 10  # bodies above this are parsed (JSON, template, tokenizer) off the event loop
+OFFLOAD_PROMPT_LOGPROBS = 4096  # first events with more prompt logprob entries are formatted off the loop
 
 
 class ClientGone(Exception):
@@ -68,11 +70,14 @@ async def read_body(request: Request, limit: int) -> bytes:
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise ApiError(413, f"request body is {declared} bytes; the limit is {limit}", code="payload_too_large")
     chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise ApiError(413, f"request body exceeds the limit of {limit} bytes", code="payload_too_large")
-        chunks.append(chunk)
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise ApiError(413, f"request body exceeds the limit of {limit} bytes", code="payload_too_large")
+            chunks.append(chunk)
+    except ClientDisconnect:  # gone, or closed by conn_limits (body deadline, rate, budget): nobody to answer
+        raise ApiError(400, "the client closed the connection before its body was complete") from None
     return b"".join(chunks)
 
 
@@ -96,6 +101,15 @@ async def _disconnected(request: Request) -> None:
     receive = request.receive
     while (await receive())["type"] != "http.disconnect":
         pass
+
+
+async def _off_loop_if_big(plan: GenerationPlan, fn: Callable[[], bytes]) -> bytes:
+    """fn() in a thread when it formats many prompt logprobs (a dict and a token text each), so
+    one echo request does not stall every other client; else inline."""
+    if plan.prompt_logprob_start < 0:
+        return fn()
+    entries = (len(plan.input_ids) - plan.prompt_logprob_start) * max(1, plan.top_logprobs_num)
+    return await asyncio.to_thread(fn) if entries > OFFLOAD_PROMPT_LOGPROBS else fn()
 
 
 def _relabel(ev: WorkerEvent, label: str) -> WorkerEvent:
@@ -140,12 +154,14 @@ class GenerationHandler:
             label = None
         try:
             self.router.admission.check_full()
-            raw = await read_body(request, self.max_body)
             ctype = request.headers.get("content-type")
+            check_json_content_type(ctype)  # 415 before reading a body (the connection then closes)
+            raw = await read_body(request, self.max_body)
             session = request.headers.get("x-session-id")
             if len(raw) > OFFLOAD_BYTES:
-                loop = asyncio.get_running_loop()
-                plan = await loop.run_in_executor(self._parse_pool, self._parse, raw, ctype, api, session)
+                with self.router.admission.parsing():
+                    loop = asyncio.get_running_loop()
+                    plan = await loop.run_in_executor(self._parse_pool, self._parse, raw, ctype, api, session)
             else:
                 plan = self._parse(raw, ctype, api, session)
         except ApiError as e:
@@ -173,7 +189,8 @@ class GenerationHandler:
             if api == "generate":
                 out = _ENC.encode(prompt_only(first.data)) if plan.prompt_only else first.raw
                 return json_response(out, 200, label)
-            return json_response(ResponseFormatter(plan, label, self.router.model).full(first.data), 200, label)
+            fmt = ResponseFormatter(plan, label, self.router.model)
+            return json_response(await _off_loop_if_big(plan, lambda: fmt.full(first.data)), 200, label)
         self.metrics.ttft.labels(route).observe(time.perf_counter() - t0)
         return CutOffStreamingResponse(
             self._stream(plan, rid, label, relabel, run, first, route, t0), run.cut_off,
@@ -189,12 +206,12 @@ class GenerationHandler:
         last = time.perf_counter()
         try:
             if fmt is not None:
-                yield fmt.chunk(first.data)
+                yield await _off_loop_if_big(plan, lambda: fmt.chunk(first.data))
             elif plan.prompt_only:
-                yield sse_event(prompt_only(first.data))
+                yield await _off_loop_if_big(plan, lambda: sse_event(prompt_only(first.data)))
             elif cumulative is not None:
                 cumulative.add(first.data)
-                yield cumulative.event()
+                yield await _off_loop_if_big(plan, cumulative.event)
             else:
                 yield b"data: " + first.raw + b"\n\n"
             try:

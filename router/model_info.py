@@ -75,6 +75,7 @@ class ModelInfo:
             raise ApiError(400, f"chat template rejected the messages: {str(e)[:300]}", param="messages") from None
         if not isinstance(text, str):
             raise ApiError(500, "chat template did not render a string", type="internal_error")
+        self.check_chars(len(text), "messages")  # the rendered prompt: empty messages still render
         # The template already holds any BOS; adding special tokens again would double it.
         try:
             return list(self.tokenizer.encode(text, add_special_tokens=False))

@@ -51,6 +51,11 @@ def decode_generate(body: dict[str, Any]) -> GenerateRequestBody:
 
 def parse_generate(model: ModelInfo, body: dict[str, Any], *, incremental_default: bool,
                    allow_priority: bool = False) -> GenerationPlan:
+    ctx = model.context_length
+    raw_ids = body.get("input_ids")
+    if isinstance(raw_ids, list) and len(raw_ids) >= ctx:  # before any pass over the elements
+        raise bad_request(f"the prompt has {len(raw_ids)} tokens; this model's maximum context length is {ctx} "
+                          "tokens (and at least one must be left for the completion)", "input_ids")
     req = decode_generate(body)
     if (req.text is None) == (req.input_ids is None):
         raise bad_request("exactly one of 'text' and 'input_ids' is required", "text")
@@ -63,7 +68,6 @@ def parse_generate(model: ModelInfo, body: dict[str, Any], *, incremental_defaul
         where = "input_ids"
     if not ids:
         raise bad_request("the prompt is empty", where)
-    ctx = model.context_length
     if len(ids) >= ctx:
         raise bad_request(f"the prompt has {len(ids)} tokens; this model's maximum context length is {ctx} tokens "
                           "(and at least one must be left for the completion)", where)

@@ -32,11 +32,14 @@ class RequestParser:
     """Stateless apart from the (read-only) model info; one per router."""
 
     def __init__(self, model: ModelInfo, default_max_tokens_cap: int, incremental_default: bool = False,
-                 allow_priority: bool = False) -> None:
+                 allow_priority: bool = False, *, max_chat_messages: int = 2048,
+                 max_prompt_logprob_entries: int = 100_000) -> None:
         self.model = model
         self.cap = default_max_tokens_cap
         self.incremental_default = incremental_default
         self.allow_priority = allow_priority
+        self.max_messages = max_chat_messages
+        self.max_prompt_logprobs = max_prompt_logprob_entries
 
     def completion(self, body: dict[str, Any]) -> GenerationPlan:
         model = self._model(body)
@@ -55,6 +58,8 @@ class RequestParser:
             return plan
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
             prompt = prompt[0]
+        if logprobs is not None:
+            check_prompt_logprobs(len(ids), 0, logprobs, self.max_prompt_logprobs, "logprobs")
         text = prompt if isinstance(prompt, str) else self.model.tokenizer.decode(ids)
         # echo + logprobs: the prompt tokens' logprobs too, computed where the prompt is (prefill)
         return dataclasses.replace(plan, echo_text=text, prompt_logprob_start=0 if logprobs is not None else -1)
@@ -83,8 +88,12 @@ class RequestParser:
         return self._plan("chat", model, ids, params, body, logprobs, "chat")
 
     def generate(self, body: dict[str, Any]) -> GenerationPlan:
-        return parse_generate(self.model, body, incremental_default=self.incremental_default,
+        plan = parse_generate(self.model, body, incremental_default=self.incremental_default,
                               allow_priority=self.allow_priority)
+        if plan.prompt_logprob_start >= 0:
+            check_prompt_logprobs(len(plan.input_ids), plan.prompt_logprob_start, plan.top_logprobs_num,
+                                  self.max_prompt_logprobs, "logprob_start_len")
+        return plan
 
     # -- helpers -------------------------------------------------------------------------------
 
@@ -108,6 +117,7 @@ class RequestParser:
         elif isinstance(prompt, list) and prompt and all(isinstance(p, str | list) for p in prompt):
             raise bad_request("batched prompts are not supported; send one prompt per request", "prompt")
         elif isinstance(prompt, list):
+            self._check_prompt_len(prompt, "prompt")  # before a pass over every element
             ids = get_token_ids(prompt, "prompt", self.model.vocab_size)
         elif prompt is None:
             raise bad_request("'prompt' is required", "prompt")
@@ -119,6 +129,9 @@ class RequestParser:
     def _messages(self, messages: Any) -> list[dict[str, str]]:
         if not isinstance(messages, list) or not messages:
             raise bad_request("'messages' must be a non-empty array", "messages")
+        if len(messages) > self.max_messages:
+            raise bad_request(f"'messages' has {len(messages)} entries; the limit is {self.max_messages} "
+                              "(--max-chat-messages)", "messages")
         out = []
         for i, m in enumerate(messages):
             where = f"messages[{i}]"
@@ -130,7 +143,7 @@ class RequestParser:
             out.append({"role": str(role), "content": _text_content(m.get("content"), f"{where}.content")})
         return out
 
-    def _check_prompt_len(self, ids: list[int], param: str) -> None:
+    def _check_prompt_len(self, ids: list[Any], param: str) -> None:
         if not ids:
             raise bad_request("the prompt is empty", param)
         ctx = self.model.context_length
@@ -205,6 +218,15 @@ def _text_content(content: Any, where: str) -> str:
             parts.append(part["text"])
         return "".join(parts)
     raise bad_request(f"{where} must be a string or a list of text parts", where)
+
+
+def check_prompt_logprobs(n_prompt: int, start: int, top: int, limit: int, param: str) -> None:
+    """400 when a request asks for more prompt logprob entries than --max-prompt-logprob-entries:
+    each is built, sent and formatted per prompt token, in Python, on every hop."""
+    entries = (n_prompt - start) * max(1, top)
+    if entries > limit:
+        raise bad_request(f"prompt logprobs for {n_prompt - start} tokens x {max(1, top)} alternatives are "
+                          f"{entries} entries; the limit is {limit} (--max-prompt-logprob-entries)", param)
 
 
 def safe_rid(rid: str) -> bool:

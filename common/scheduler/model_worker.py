@@ -17,6 +17,7 @@ from common.model.sampler import Sampler, SamplingBatchInfo
 from common.sampling_params import SamplingParams
 from common.scheduler import step_fault
 from common.scheduler.executor import LaunchedStep, PromptLogprobs, SamplingRow, StepResult, WorkerBatch
+from common.scheduler.prompt_logprobs import chunk_rows_for, prompt_logprobs
 
 
 class TorchModelWorker:
@@ -29,6 +30,7 @@ class TorchModelWorker:
         self.future_tokens = torch.zeros(future_capacity, dtype=torch.int64, device=self.device)
         self._info: SamplingBatchInfo | None = None
         self._info_key: tuple[list[SamplingParams], list[int], list[bool], list[int]] | None = None
+        self._logprob_rows = chunk_rows_for(runner.vocab_size)  # prompt logprob positions per logits chunk
 
     @property
     def future_capacity(self) -> int:
@@ -163,20 +165,15 @@ class TorchModelWorker:
         )
 
     def _prompt_logprobs(self, hidden: torch.Tensor, batch: WorkerBatch) -> list[PromptLogprobs | None]:
-        """log_softmax of the raw logits at each requested prompt position, gathered at its target."""
+        """log_softmax of the raw logits at each requested prompt position, gathered at its target
+        (in chunks of at most self._logprob_rows positions: common/scheduler/prompt_logprobs.py)."""
         out: list[PromptLogprobs | None] = [None] * len(batch.sampling)
         begin = 0
         for i, (s, end) in enumerate(zip(batch.sampling, batch.extend_lens_cumsum(), strict=True)):
             targets = s.prompt_logprob_targets
             if targets:
                 at = begin + s.prompt_logprob_offset
-                logprobs = torch.log_softmax(self.runner.compute_logits(hidden[at : at + len(targets)]), dim=-1)
-                ids = torch.tensor(targets, dtype=torch.int64, device=self.device)
-                chosen = logprobs.gather(1, ids[:, None]).squeeze(1).tolist()
-                top = None
-                if s.top_logprobs_num:
-                    values, top_ids = logprobs.topk(s.top_logprobs_num, dim=-1)
-                    top = [list(zip(t, v, strict=True)) for t, v in zip(top_ids.tolist(), values.tolist(), strict=True)]
-                out[i] = (chosen, top)
+                out[i] = prompt_logprobs(self.runner.compute_logits, hidden[at : at + len(targets)], targets,
+                                         s.top_logprobs_num, self._logprob_rows)
             begin = end
         return out

@@ -30,6 +30,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from common.sampling_request import SamplingParamsRequest
 from common.server.generate_response import (
@@ -56,7 +57,6 @@ from common.timeouts import wait_within
 
 logger = logging.getLogger(__name__)
 
-DRAIN_LIMIT_BYTES = 64 * 1024 * 1024  # past this an oversized body is not even read to the end
 DISCONNECT_POLL_S = 0.1
 HEALTH_GENERATE_TIMEOUT_S = 20.0  # SGLang's default for /health_generate
 METRICS_STATS_TIMEOUT_S = 1.0
@@ -84,20 +84,16 @@ async def read_json_body(request: Request) -> bytes:
     if mime != "application/json" and not mime.endswith("+json"):  # a missing type too: see router/fields.py
         raise ApiError(415, f"Content-Type must be application/json, got {ctype[:100]!r}")
     declared = request.headers.get("content-length")
-    too_big = declared is not None and declared.isdigit() and int(declared) > MAX_BODY_BYTES
-    body = bytearray()
-    seen = 0
-    async for part in request.stream():
-        seen += len(part)
-        if seen > MAX_BODY_BYTES:
-            too_big = True
-        if too_big:
-            if seen > DRAIN_LIMIT_BYTES:
-                break
-            continue
-        body += part
-    if too_big:
+    if declared is not None and declared.isdigit() and int(declared) > MAX_BODY_BYTES:
         raise ApiError(413, f"request body is larger than {MAX_BODY_BYTES} bytes")
+    body = bytearray()
+    try:
+        async for part in request.stream():  # the answer closes the connection (conn_limits.CloseOnReject)
+            body += part
+            if len(body) > MAX_BODY_BYTES:
+                raise ApiError(413, f"request body is larger than {MAX_BODY_BYTES} bytes")
+    except ClientDisconnect:  # gone, or closed by conn_limits (body deadline, rate, budget)
+        raise ApiError(400, "the client closed the connection before its body was complete") from None
     return bytes(body)
 
 

@@ -65,6 +65,7 @@ class InputProcessor:
         # decode with its prefix cache prefills a request that names no prefill itself (from that cache)
         self._bootstrap_optional = args.is_decode and args.disaggregation_decode_enable_radix_cache
         self.max_prompt_chars = args.max_prompt_chars or 32 * info.context_length
+        self.max_prompt_logprobs = args.max_prompt_logprob_entries
 
     def check_text_len(self, text: str) -> None:
         """400 before tokenizing a prompt that cannot fit (a cheap reject for huge bodies)."""
@@ -92,6 +93,10 @@ class InputProcessor:
         start = body.prompt_logprob_start
         if not -1 <= start < len(input_ids):
             raise bad_request(f"logprob_start_len must be -1 or in [0, {len(input_ids)}) (the prompt's tokens), got {start}")
+        entries = (len(input_ids) - start) * max(1, top) if start >= 0 else 0
+        if entries > self.max_prompt_logprobs:
+            raise bad_request(f"prompt logprobs for {len(input_ids) - start} tokens x {max(1, top)} alternatives are "
+                              f"{entries} entries; the limit is {self.max_prompt_logprobs} (--max-prompt-logprob-entries)")
         if not -(2**31) <= body.priority_value < 2**31:
             raise bad_request(f"priority must fit in 32 bits, got {body.priority}")
         return GenerateReq(

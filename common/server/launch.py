@@ -192,7 +192,12 @@ async def _serve(
     """Serve until stopped; returns why the instance must fail (its engine hung), else None."""
     import uvicorn
 
-    from common.server.conn_limits import header_timeout_protocol, raise_nofile_limit
+    from common.server.conn_limits import (
+        BodyLimits,
+        CloseOnReject,
+        header_timeout_protocol,
+        raise_nofile_limit,
+    )
     from common.server.http_server import create_app
     from common.server.input_processor import InputProcessor, ModelInfo
     from common.server.metrics import FrontendMetrics
@@ -222,10 +227,11 @@ async def _serve(
         configure_app(app, args)
     nofile = raise_nofile_limit()
     config = uvicorn.Config(
-        ClusterAuth(app, ClusterSecret.load(args.cluster_secret_file)),
+        CloseOnReject(ClusterAuth(app, ClusterSecret.load(args.cluster_secret_file))),
         host=args.host,
         port=args.port,
-        http=header_timeout_protocol(args.header_timeout),
+        http=header_timeout_protocol(
+            args.header_timeout, BodyLimits(args.body_timeout, args.min_body_rate, args.max_body_bytes_in_flight)),
         backlog=4096,
         log_level=args.log_level,
         access_log=args.log_level == "debug",

@@ -81,14 +81,15 @@ def merge_chunks(chunks: list[Chunk]) -> Chunk:
 
 
 class CumulativeStream:
-    """SGLang's default stream: each event carries the text, ids and logprobs so far."""
+    """SGLang's default stream: each event carries the text, ids and output logprobs so far; the
+    prompt's logprobs only once, in the event that brought them (re-sending them in every event
+    cost O(prompt x tokens) bytes)."""
 
     def __init__(self) -> None:
         self._text: list[str] = []
         self._ids: list[int] = []
         self._lps: list[list[Any]] | None = None
         self._tops: list[list[list[Any]]] | None = None
-        self._input: Chunk | None = None
 
     def add(self, chunk: Chunk) -> Chunk:
         self._text.append(chunk.text)
@@ -97,16 +98,14 @@ class CumulativeStream:
             self._lps = (self._lps or []) + chunk.token_logprobs
         if chunk.top_logprobs is not None:
             self._tops = (self._tops or []) + chunk.top_logprobs
-        if chunk.input_token_logprobs is not None:
-            self._input = chunk
         out = Chunk(
             rid=chunk.rid, text="".join(self._text), output_ids=list(self._ids), finish_reason=chunk.finish_reason,
             prompt_tokens=chunk.prompt_tokens, completion_tokens=chunk.completion_tokens,
             cached_tokens=chunk.cached_tokens, token_logprobs=self._lps, top_logprobs=self._tops,
         )
-        if self._input is not None:
-            out.input_token_logprobs = self._input.input_token_logprobs
-            out.input_top_logprobs = self._input.input_top_logprobs
+        if chunk.input_token_logprobs is not None:
+            out.input_token_logprobs = chunk.input_token_logprobs
+            out.input_top_logprobs = chunk.input_top_logprobs
         return out
 
 

@@ -49,6 +49,10 @@ class ServerArgs:
     request_timeout: float | None = None
     incremental_streaming_output: bool = False
     header_timeout: float = 10.0  # common/server/conn_limits.py
+    body_timeout: float = 60.0  # common/server/conn_limits.py BodyLimits
+    min_body_rate: int = 1024
+    max_body_bytes_in_flight: int = 512 << 20
+    max_prompt_logprob_entries: int = 100_000  # prompt tokens x max(1, top_logprobs_num); beyond it 400
     max_stream_backlog: int = 1024
     max_prompt_chars: int | None = None  # None: 32 x the context length
     max_queued_requests: int = 256
@@ -121,7 +125,8 @@ class ServerArgs:
             if getattr(self, name) not in allowed:
                 return f"--{_flag(name)} must be one of {', '.join(allowed)}, got {getattr(self, name)!r}"
         positive = ("tp_size", "page_size", "max_prefill_tokens", "max_running_requests", "engine_start_timeout",
-                    "header_timeout", "max_stream_backlog", "torch_compile_max_bs")
+                    "header_timeout", "max_stream_backlog", "torch_compile_max_bs", "body_timeout",
+                    "max_body_bytes_in_flight", "max_prompt_logprob_entries")
         for name in positive:
             if getattr(self, name) <= 0:
                 return f"--{_flag(name)} must be > 0, got {getattr(self, name)}"
@@ -149,6 +154,8 @@ class ServerArgs:
                 return f"--{_flag(name)} must be a TCP port (1..65535), got {getattr(self, name)}"
         if not 0.0 < self.mem_fraction_static < 1.0:
             return f"--mem-fraction-static must be in (0, 1), got {self.mem_fraction_static}"
+        if self.min_body_rate < 0:
+            return f"--min-body-rate must be >= 0, got {self.min_body_rate}"
         if self.max_queued_requests < 0:
             return f"--max-queued-requests must be >= 0, got {self.max_queued_requests}"
         if self.graceful_shutdown_timeout < 0:
@@ -266,6 +273,12 @@ _HELP: dict[str, str] = {
     "allow_unauthenticated": "serve a non-loopback --host without a cluster secret (refused otherwise)",
     "request_timeout": "seconds per request end to end at the frontend (default: off)",
     "header_timeout": "seconds a client may take to send a request's head before its connection is closed",
+    "body_timeout": "seconds a client may take to send a whole request (head and body) before its connection "
+    "is closed",
+    "min_body_rate": "bytes/s a request body must keep up (checked every 2 s; 0: off)",
+    "max_body_bytes_in_flight": "bytes of unfinished request bodies held over all connections; past it 503 and close",
+    "max_prompt_logprob_entries": "most prompt logprob entries one request may ask for ((prompt tokens - "
+    "logprob_start_len) x max(1, top_logprobs_num)); beyond it 400",
     "max_stream_backlog": "events held for a streaming client that does not read; past it the request is "
     "aborted and the connection closed",
     "max_prompt_chars": "longest text prompt in characters, refused before tokenizing (default: 32 x context length)",

@@ -28,6 +28,7 @@ Used from one event loop only.
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import logging
 import time
@@ -76,6 +77,9 @@ class TokenizerManager:
     ) -> None:
         self.args = args
         self.processor = processor
+        tokenizer = processor.tokenizer
+        # return_text_in_logprobs: one decode per distinct token, not per entry (prompt x top-k entries)
+        self._token_text = functools.lru_cache(maxsize=1 << 16)(lambda t: tokenizer.decode([t]))
         self.channel = channel
         self.metrics = metrics
         self._dead_reason_fn = engine_dead_reason
@@ -142,10 +146,7 @@ class TokenizerManager:
         incremental = self.args.incremental_streaming_output
         if body.incremental_stream is not None:
             incremental = body.incremental_stream
-        token_text = None
-        if body.return_text_in_logprobs:
-            tokenizer = self.processor.tokenizer
-            token_text = lambda t: tokenizer.decode([t])  # noqa: E731
+        token_text = self._token_text if body.return_text_in_logprobs else None
         state = ReqState(req=req, detok=detok, incremental=incremental, token_text=token_text)
         self._states[rid] = state
         self.metrics.in_flight.inc()

@@ -4,6 +4,7 @@ on a colocated instance and through the router over 1P1D (where prefill computes
 
 from __future__ import annotations
 
+import json
 from functools import cache
 
 import httpx
@@ -66,3 +67,29 @@ def test_generate_logprob_start_len(cluster: Cluster, where: str, start: int) ->
             assert [e[0] for e in entries][start == 0 :] == pytest.approx(expect[start == 0 :], abs=ATOL)
             assert len(meta["input_top_logprobs"]) == len(entries)
             assert meta["completion_tokens"] == len(out.json()["output_ids"]) == max_new
+
+
+@pytest.mark.parametrize("where", ["router", "colocated"])
+def test_stream_sends_prompt_logprobs_once(cluster: Cluster, where: str) -> None:
+    """Security review 2, M1: the cumulative /generate stream carries input_*_logprobs in its first
+    event only (re-sending them in every event was O(prompt x tokens) bytes), equal to the
+    non-streamed answer; output logprobs stay cumulative."""
+    ids, _, _ = reference(str(cluster.model), PROMPT)
+    url = cluster.router.url if where == "router" else cluster.colocated.url
+    body = {"input_ids": ids, "return_logprob": True, "logprob_start_len": 0, "top_logprobs_num": 2,
+            "stream": True, "incremental_stream": False,
+            "sampling_params": {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True}}
+    events = []
+    with httpx.stream("POST", url + "/generate", json=body, timeout=60) as resp:
+        assert resp.status_code == 200
+        for line in resp.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                events.append(json.loads(line[6:]))
+    assert len(events) >= 2
+    with_input = [i for i, ev in enumerate(events) if "input_token_logprobs" in ev["meta_info"]]
+    assert with_input == [0], with_input
+    full = httpx.post(url + "/generate", json={**body, "stream": False}, timeout=60).json()["meta_info"]
+    first = events[0]["meta_info"]
+    assert first["input_token_logprobs"] == full["input_token_logprobs"]
+    assert first["input_top_logprobs"] == full["input_top_logprobs"]
+    assert len(events[-1]["meta_info"]["output_token_logprobs"]) == 6

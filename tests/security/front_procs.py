@@ -118,3 +118,53 @@ def metric(url: str, name: str, labels: dict[str, str] | None = None) -> float:
 
 def wait_for(cond: Any, timeout_s: float, what: str) -> None:
     assert wait_until(cond, timeout_s), f"not within {timeout_s}s: {what}"
+
+
+class PartialBody:
+    """A request whose head declares `declared` body bytes, of which the client sends only what
+    `send` is told to: the attacker of a slow body (security review 2, M2)."""
+
+    def __init__(self, port: int, path: str, declared: int, headers: dict[str, str] | None = None,
+                 content_type: str = "application/json") -> None:
+        self.sock = socket.create_connection(("127.0.0.1", port), timeout=10)
+        extra = "".join(f"{k}: {v}\r\n" for k, v in (headers or {}).items())
+        head = (f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: {content_type}\r\n{extra}"
+                f"Content-Length: {declared}\r\n\r\n")
+        self.sock.sendall(head.encode())
+        self.started = time.monotonic()
+        self.answer = b""
+
+    def send(self, data: bytes) -> bool:
+        """False once the server has closed the connection."""
+        try:
+            self.sock.sendall(data)
+            return True
+        except (BrokenPipeError, ConnectionResetError):
+            return False
+
+    def trickle_until_closed(self, chunk: bytes, every_s: float, timeout_s: float) -> float:
+        """Send `chunk` every `every_s` until the server closes; seconds from the head to the close.
+        AssertionError if it is still open after timeout_s."""
+        self.sock.setblocking(False)
+        while time.monotonic() - self.started < timeout_s:
+            if self.closed() or not self.send(chunk):
+                return time.monotonic() - self.started
+            time.sleep(every_s)
+        raise AssertionError(f"the server kept a trickled body open for {timeout_s}s")
+
+    def closed(self) -> bool:
+        """True if the server closed (EOF or reset); reads and drops any answer."""
+        self.sock.setblocking(False)
+        try:
+            while True:
+                data = self.sock.recv(1 << 16)
+                if not data:
+                    return True
+                self.answer += data
+        except BlockingIOError:
+            return False
+        except (ConnectionResetError, BrokenPipeError):
+            return True
+
+    def close(self) -> None:
+        self.sock.close()

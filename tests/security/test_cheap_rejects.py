@@ -5,6 +5,11 @@ instance on the fake engine) and real instances: a 7 MB prompt is refused while 
 keeps answering, 100k-deep JSON is a 400 without a traceback, caps hold before any worker
 is reached, a reused client request id hurts nobody, client errors carry no worker
 address, and an instance past --max-queued-requests answers 503 + Retry-After at once.
+
+Security review 2: M6, the router's cheap checks come before its expensive ones (a 4M-id prompt is
+measured before its ids are checked one by one; a chat's message count and rendered prompt are
+bounded before tokenizing); M1, prompt logprobs past --max-prompt-logprob-entries are a 400 that
+no worker sees.
 """
 
 from __future__ import annotations
@@ -20,18 +25,27 @@ from typing import Any
 import httpx
 import pytest
 
+from router.admission import Admission
+from router.config import RouterConfig
+from router.errors import ApiError
+from router.metrics import RouterMetrics
+from router.registry import WorkerRegistry
 from tests.router.router_procs import RouterProc, StubWorker, pd_args
 from tests.security.front_procs import metric, wait_for
 from tests.server.server_procs import ServerProcess
 
 HEALTH_BOUND_S = 0.5  # the issue's bound for /health while a huge prompt is rejected
 HUGE_PROMPT = "word " * 1_450_000  # 7.25 MB of text
+MAX_PROMPT_CHARS = 100_000
+MAX_LOGPROB_ENTRIES = 2000
 
 
 @pytest.fixture(scope="module")
 def pd(long_ctx_model: Path) -> Iterator[tuple[RouterProc, StubWorker, StubWorker]]:
     p, d = StubWorker("prefill", wait=False), StubWorker("decode", wait=False)
-    r = RouterProc(long_ctx_model, pd_args([p], [d], "--health-check-interval", "0.2"), wait=False)
+    r = RouterProc(long_ctx_model, pd_args([p], [d], "--health-check-interval", "0.2", "--max-prompt-chars",
+                                           str(MAX_PROMPT_CHARS), "--max-chat-messages", "64",
+                                           "--max-prompt-logprob-entries", str(MAX_LOGPROB_ENTRIES)), wait=False)
     try:
         for w in (p, d):
             w.wait_up()
@@ -215,3 +229,70 @@ def test_instance_refuses_past_max_queued_requests(small: ServerProcess) -> None
         ok = client.post(small.url + "/generate", json={"input_ids": [5, 6, 7],
                                                         "sampling_params": {"max_new_tokens": 2}})
         assert ok.status_code == 200, ok.text
+
+
+def _refused(r: RouterProc, workers: tuple[StubWorker, ...], path: str, body: Any, needle: str) -> None:
+    """400 naming `needle`, and no worker saw the request."""
+    before = [w.stats()["generate"] for w in workers]
+    raw = body if isinstance(body, bytes) else json.dumps(body, separators=(",", ":")).encode()
+    resp = httpx.post(r.url + path, content=raw, headers={"Content-Type": "application/json"}, timeout=60)
+    assert resp.status_code == 400, resp.text[:500]
+    assert needle in resp.json()["error"]["message"], resp.json()["error"]
+    assert [w.stats()["generate"] for w in workers] == before
+
+
+def test_m6_cheap_checks_come_first(pd: tuple[RouterProc, StubWorker, StubWorker]) -> None:
+    """4M input ids ending in an out-of-vocabulary id: the length is the answer (no pass over the
+    elements first); many empty chat messages: their count; messages whose text fits
+    --max-prompt-chars but whose rendered prompt does not: the rendered length."""
+    r, p, d = pd
+    ids = b"[" + b"1," * 4_000_000 + b"1000000000]"
+    _refused(r, (p, d), "/generate", b'{"input_ids": ' + ids + b"}", "maximum context length")
+    _refused(r, (p, d), "/v1/completions", b'{"max_tokens": 1, "prompt": ' + ids + b"}", "maximum context length")
+    empty = [{"role": "user", "content": ""}] * 250_000  # 7.3 MB
+    _refused(r, (p, d), "/v1/chat/completions", {"messages": empty, "max_tokens": 1}, "--max-chat-messages")
+    n = 64
+    text = "a" * (MAX_PROMPT_CHARS // n - 10)  # the contents alone fit; with each message's markup they do not
+    _refused(r, (p, d), "/v1/chat/completions", {"messages": [{"role": "user", "content": text}] * n,
+                                                 "max_tokens": 1}, "characters")
+    ok = httpx.post(r.url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "Hi"}] * n,
+                                                          "max_tokens": 1}, timeout=30)
+    assert ok.status_code == 200, ok.text
+
+
+def test_m1_prompt_logprobs_are_bounded(pd: tuple[RouterProc, StubWorker, StubWorker], inst: ServerProcess) -> None:
+    """echo + logprobs on /v1/completions, logprob_start_len + top_logprobs_num on /generate: past
+    --max-prompt-logprob-entries ((prompt - start) x max(1, top)) a 400 that no worker sees; an
+    instance holds its own bound (default 100,000) for clients that reach it directly."""
+    r, p, d = pd
+    ids = list(range(5, 5 + 200))  # 200 prompt tokens x 20 = 4,000 entries > 2,000
+    _refused(r, (p, d), "/v1/completions", {"prompt": ids, "echo": True, "logprobs": 20, "max_tokens": 1},
+             "--max-prompt-logprob-entries")
+    gen = {"input_ids": ids, "return_logprob": True, "logprob_start_len": 0, "top_logprobs_num": 20,
+           "return_text_in_logprobs": True, "sampling_params": {"max_new_tokens": 1}}
+    _refused(r, (p, d), "/generate", gen, "--max-prompt-logprob-entries")
+    # Within the bound: the tail of the prompt (100 x 20), or the whole prompt with no alternatives.
+    for body in ({**gen, "logprob_start_len": 100}, {**gen, "top_logprobs_num": 0}):
+        assert httpx.post(r.url + "/generate", json=body, timeout=30).status_code == 200
+    ok = {"prompt": ids[:100], "echo": True, "logprobs": 20, "max_tokens": 1}
+    assert httpx.post(r.url + "/v1/completions", json=ok, timeout=30).status_code == 200
+    direct = {**gen, "input_ids": [5] * 6000}  # 6,000 x 20 = 120,000 entries
+    resp = httpx.post(inst.url + "/generate", json=direct, timeout=30)
+    assert resp.status_code == 400 and "--max-prompt-logprob-entries" in resp.text, resp.text
+    assert httpx.post(inst.url + "/generate", json={**direct, "logprob_start_len": 1000}, timeout=30).status_code == 200
+
+
+def test_m6_the_parse_backlog_counts_against_the_queue() -> None:
+    """Bodies waiting for the parse pool hold queue places: past --max-queued-requests the next
+    request is a 503 before its body is read, not one more in an unbounded parse queue."""
+    cfg = RouterConfig.from_args(["--model-path", "/m", "--worker", "http://w:1", "--max-queued-requests", "2"])
+    registry = WorkerRegistry(cfg)
+    admission = Admission(cfg, registry, RouterMetrics(registry))
+    with admission.parsing(), admission.parsing():
+        with pytest.raises(ApiError) as e:
+            admission.check_full()
+        assert e.value.status == 503 and e.value.retry_after == 1
+        with pytest.raises(ApiError), admission.parsing():
+            pass
+    assert admission.parsing_now == 0
+    admission.check_full()

@@ -17,7 +17,9 @@ import httpx
 import openai
 import pytest
 
+from common.server.conn_limits import RATE_WINDOW_S
 from tests.router.router_procs import ADMIN, RouterProc, StubWorker, pd_args
+from tests.security.front_procs import PartialBody
 from tests.server.server_procs import free_port
 
 KEY = "sk-client-key-1"
@@ -181,3 +183,16 @@ def test_bodies_must_be_json(routers: tuple[RouterProc, RouterProc],
     assert d.stats()["generate"] == before
     assert httpx.post(r.url + "/v1/completions", content=raw,
                       headers=dict(auth, **{"Content-Type": "application/json; charset=utf-8"})).status_code == 200
+
+
+def test_m2_a_refused_client_cannot_keep_sending(routers: tuple[RouterProc, RouterProc]) -> None:
+    """Security review 2, M2: a 401 is answered before the body is read; the connection then closes
+    instead of swallowing a body trickled for ever."""
+    r, _ = routers
+    c = PartialBody(r.port, "/v1/completions", 1 << 20)
+    try:
+        took = c.trickle_until_closed(b"x" * 3000, 0.2, RATE_WINDOW_S)
+        assert c.answer.startswith(b"HTTP/1.1 401") and b"connection: close" in c.answer.lower(), c.answer[:300]
+        assert took < RATE_WINDOW_S
+    finally:
+        c.close()
