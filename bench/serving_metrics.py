@@ -19,7 +19,7 @@ from serving_client import RequestRecord
 
 RESULT_KEYS = ("completed", "failed", "request_throughput", "output_throughput", "ttft_p50_ms", "ttft_p99_ms",
                "tpot_p50_ms", "tpot_p99_ms", "itl_p50_ms", "e2e_p50_ms", "goodput")
-Result = dict[str, float | int | None]  # RESULT_KEYS -> value (None: no sample)
+Result = dict[str, float | int | str | None]  # RESULT_KEYS -> value (None: no sample); failed_reasons
 
 
 @dataclass(frozen=True)
@@ -83,7 +83,10 @@ class Summary:
             "tpot_p99_ms": self.tpot.p99, "itl_p50_ms": self.itl.median, "e2e_p50_ms": self.e2e.median,
             "goodput": self.goodput,
         }
-        return {k: (round(v, 4) if isinstance(v, float) else v) for k, v in flat.items()}
+        out: Result = {k: (round(v, 4) if isinstance(v, float) else v) for k, v in flat.items()}
+        if self.errors:  # a RESULT line read alone (CI, the GPU bundle) still says why requests failed
+            out["failed_reasons"] = "; ".join(f"{n} x {err}" for err, n in list(self.errors.items())[:3])
+        return out
 
     def to_dict(self) -> dict[str, object]:
         return asdict(self)

@@ -41,7 +41,8 @@ def test_summary_counts_failures_and_goodput() -> None:
     assert s.e2e.p99 == pytest.approx(89.0)  # 40 + 0.98 * (90 - 40)
     assert summarize(records, 2.0, Slo()).good_requests == 3
     res = s.result()
-    assert set(res) == set(RESULT_KEYS) and res["failed"] == 2 and res["tpot_p50_ms"] == pytest.approx(15.0)
+    assert set(res) == {*RESULT_KEYS, "failed_reasons"} and res["failed_reasons"] == "2 x HTTP 500: boom"
+    assert res["failed"] == 2 and res["tpot_p50_ms"] == pytest.approx(15.0)
 
 
 def test_empty_run_has_no_latencies() -> None:
