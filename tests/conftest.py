@@ -70,11 +70,20 @@ PROC_PATHS = (
 )
 
 
+# Files whose tests use the session's `tiny_cluster`: one xdist work unit, so that one worker
+# starts it (router + 1P1D + colocated) instead of each worker its own.
+TINY_CLUSTER_PATHS = ("compat/", "router/test_router_real.py")
+
+
+def _in(rel: str, paths: tuple[str, ...]) -> bool:
+    return any(rel == p or (p.endswith("/") and rel.startswith(p)) for p in paths)
+
+
 def tier_of(path: Path) -> str:
     rel = path.resolve().relative_to(TESTS).as_posix()
     if rel.startswith("reliability/"):
         return "reliability"
-    if any(rel == p or (p.endswith("/") and rel.startswith(p)) for p in PROC_PATHS):
+    if _in(rel, PROC_PATHS):
         return "proc"
     return "unit"
 
@@ -82,6 +91,21 @@ def tier_of(path: Path) -> str:
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
         item.add_marker(getattr(pytest.mark, tier_of(Path(str(item.fspath)))))
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """--dist loadfile, with the TINY_CLUSTER_PATHS files as one unit (see there)."""
+    if config.getoption("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class SharedClusterScheduling(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            return "tiny_cluster" if _in(path.removeprefix("tests/"), TINY_CLUSTER_PATHS) else path
+
+    return SharedClusterScheduling(config, log)
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
