@@ -41,6 +41,7 @@ os.environ.setdefault("OMP_NUM_THREADS", str(TEST_THREADS))
 torch.set_num_threads(TEST_THREADS)
 
 TESTS = Path(__file__).resolve().parent
+TIERS = ("unit", "proc", "reliability")
 # Files whose tests start processes; everything else outside tests/reliability is `unit`.
 PROC_PATHS = (
     "bench/test_engine_loops.py",
@@ -60,7 +61,9 @@ PROC_PATHS = (
     "pd/test_pd_multiturn.py",
     "pd/test_pd_router_multiturn.py",
     "pd/test_pd_tp.py",
+    "pd/test_pd_transfer_deadline.py",
     "pd/test_pd_transfer_health.py",
+    "pd/test_pd_watchdog.py",
     "router/",
     "security/",
     "server/test_http_frontend.py",
@@ -90,7 +93,9 @@ def tier_of(path: Path) -> str:
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
-        item.add_marker(getattr(pytest.mark, tier_of(Path(str(item.fspath)))))
+        # One tier per test: a file that marks its own (pytestmark) keeps it, never runs in two.
+        if not any(item.get_closest_marker(t) for t in TIERS):
+            item.add_marker(getattr(pytest.mark, tier_of(Path(str(item.fspath)))))
 
 
 @pytest.hookimpl(optionalhook=True)
