@@ -41,6 +41,7 @@ os.environ.setdefault("OMP_NUM_THREADS", str(TEST_THREADS))
 torch.set_num_threads(TEST_THREADS)
 
 TESTS = Path(__file__).resolve().parent
+TIERS = ("unit", "proc", "reliability")
 # Files whose tests start processes; everything else outside tests/reliability is `unit`.
 PROC_PATHS = (
     "bench/test_engine_loops.py",
@@ -60,7 +61,9 @@ PROC_PATHS = (
     "pd/test_pd_multiturn.py",
     "pd/test_pd_router_multiturn.py",
     "pd/test_pd_tp.py",
+    "pd/test_pd_transfer_deadline.py",
     "pd/test_pd_transfer_health.py",
+    "pd/test_pd_watchdog.py",
     "router/",
     "security/",
     "server/test_http_frontend.py",
@@ -70,18 +73,44 @@ PROC_PATHS = (
 )
 
 
+# Files whose tests use the session's `tiny_cluster`: one xdist work unit, so that one worker
+# starts it (router + 1P1D + colocated) instead of each worker its own.
+TINY_CLUSTER_PATHS = ("compat/", "router/test_router_real.py")
+
+
+def _in(rel: str, paths: tuple[str, ...]) -> bool:
+    return any(rel == p or (p.endswith("/") and rel.startswith(p)) for p in paths)
+
+
 def tier_of(path: Path) -> str:
     rel = path.resolve().relative_to(TESTS).as_posix()
     if rel.startswith("reliability/"):
         return "reliability"
-    if any(rel == p or (p.endswith("/") and rel.startswith(p)) for p in PROC_PATHS):
+    if _in(rel, PROC_PATHS):
         return "proc"
     return "unit"
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
-        item.add_marker(getattr(pytest.mark, tier_of(Path(str(item.fspath)))))
+        # One tier per test: a file that marks its own (pytestmark) keeps it, never runs in two.
+        if not any(item.get_closest_marker(t) for t in TIERS):
+            item.add_marker(getattr(pytest.mark, tier_of(Path(str(item.fspath)))))
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """--dist loadfile, with the TINY_CLUSTER_PATHS files as one unit (see there)."""
+    if config.getoption("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class SharedClusterScheduling(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            return "tiny_cluster" if _in(path.removeprefix("tests/"), TINY_CLUSTER_PATHS) else path
+
+    return SharedClusterScheduling(config, log)
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:

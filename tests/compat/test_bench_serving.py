@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -26,19 +27,55 @@ def bench_root() -> Path:
         pytest.skip(f"cannot fetch SGLang's wheel for its bench_serving client: {e}")
 
 
-@pytest.mark.parametrize("backend", ["sglang", "sglang-oai", "sglang-oai-chat"])
-def test_bench_serving_backend(cluster: Cluster, bench_root: Path, backend: str, tmp_path: Path) -> None:
-    out = tmp_path / "result.jsonl"
-    argv = [sys.executable, "-m", "sglang.bench_serving", "--backend", backend, "--base-url", cluster.router.url,
-            "--model", str(cluster.model), "--tokenizer", str(cluster.model), "--dataset-name", "random-ids",
-            "--random-input-len", str(INPUT_LEN), "--random-output-len", str(OUTPUT_LEN), "--random-range-ratio", "1",
-            "--num-prompts", str(NUM_PROMPTS), "--request-rate", "inf", "--temperature", "0",
-            "--output-file", str(out), "--disable-tqdm"]
+BACKENDS = ("sglang", "sglang-oai", "sglang-oai-chat")
+# One client process runs the three backends one after another, each through the client's own
+# command line (cli_main, as `python -m sglang.bench_serving` runs it): importing the client
+# (transformers, torch, datasets) costs ~13 s of CPU, paid once instead of three times. A
+# backend's failure is written to its own status file, so the others are still judged.
+DRIVER = """
+import json, sys, traceback
+from pathlib import Path
+import sglang.bench_serving as bench
+for backend, argv in json.loads(sys.argv[1]).items():
+    sys.argv = ["sglang.bench_serving", *argv]
+    try:
+        bench.cli_main()
+        status = "ok"
+    except BaseException:
+        status = traceback.format_exc()
+    Path(backend + ".status").write_text(status)
+"""
+
+
+@dataclass(frozen=True)
+class BenchRun:
+    proc: subprocess.CompletedProcess[str]
+    dir: Path
+
+
+@pytest.fixture(scope="module")
+def bench_run(cluster: Cluster, bench_root: Path, tmp_path_factory: pytest.TempPathFactory) -> BenchRun:
+    out = tmp_path_factory.mktemp("bench_serving")
+    argvs = {b: ["--backend", b, "--base-url", cluster.router.url,
+                 "--model", str(cluster.model), "--tokenizer", str(cluster.model), "--dataset-name", "random-ids",
+                 "--random-input-len", str(INPUT_LEN), "--random-output-len", str(OUTPUT_LEN),
+                 "--random-range-ratio", "1", "--num-prompts", str(NUM_PROMPTS), "--request-rate", "inf",
+                 "--temperature", "0", "--output-file", str(out / f"{b}.jsonl"), "--disable-tqdm"]
+             for b in BACKENDS}
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(bench_root), os.environ.get("PYTHONPATH", "")]),
            "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
-    proc = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    result = json.loads(out.read_text().splitlines()[-1])
+    proc = subprocess.run([sys.executable, "-c", DRIVER, json.dumps(argvs)], env=env, capture_output=True,
+                          text=True, timeout=600, cwd=out)
+    return BenchRun(proc, out)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_bench_serving_backend(bench_run: BenchRun, backend: str) -> None:
+    proc, out = bench_run.proc, bench_run.dir
+    status = out / f"{backend}.status"
+    assert status.exists() and status.read_text() == "ok", (
+        (status.read_text() if status.exists() else "") + proc.stdout[-3000:] + proc.stderr[-3000:])
+    result = json.loads((out / f"{backend}.jsonl").read_text().splitlines()[-1])
     assert result["completed"] == NUM_PROMPTS, proc.stdout[-3000:]
     # ignore_eos is on by default in bench_serving: every request produced exactly OUTPUT_LEN tokens
     assert result["total_output_tokens"] == NUM_PROMPTS * OUTPUT_LEN, result

@@ -3,6 +3,7 @@ router over 1P1D; its per-choice loglikelihoods equal transformers' on the same 
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import subprocess
@@ -11,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from tests.compat.cluster import Cluster
 
@@ -35,12 +36,17 @@ metric_list:
 """
 
 
+@functools.cache
+def reference_model(model: str) -> tuple[PreTrainedTokenizerBase, PreTrainedModel]:
+    """transformers' tokenizer and model, loaded once for all the choices."""
+    return AutoTokenizer.from_pretrained(model), AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
+
+
 def reference_loglikelihood(model: str, context: str, continuation: str) -> float:
     """As lm-eval asks: context and continuation tokenized separately, then concatenated."""
-    tok = AutoTokenizer.from_pretrained(model)
+    tok, hf = reference_model(model)
     ctx = tok.encode(context)
     full = ctx + tok.encode(continuation)
-    hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
     with torch.no_grad():
         logprobs = torch.log_softmax(hf(torch.tensor([full])).logits[0].float(), dim=-1)
     return sum(logprobs[i - 1, full[i]].item() for i in range(len(ctx), len(full)))

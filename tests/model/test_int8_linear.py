@@ -10,6 +10,8 @@ quantization (wrong scales, a transposed weight) lands far below it."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import pytest
 import torch
 from transformers import AutoTokenizer
@@ -123,9 +125,15 @@ def _teacher_forced_argmax(h: PagedHarness, seqs: list[list[int]]) -> list[torch
     return out
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
-def test_int8_top1_agrees_with_float32_on_the_default_model(default_model_path: str, dtype: str) -> None:
+@dataclass(frozen=True)
+class Float32Reference:
+    seqs: list[list[int]]  # each prompt + its 48 greedy float32 tokens
+    argmax: list[torch.Tensor]  # the float32 model's top-1 at every position of each
+
+
+@pytest.fixture(scope="module")
+def float32_reference(default_model_path: str) -> Float32Reference:
+    """The float32 side of the comparison, the same for both int8 dtypes: computed once."""
     tok = AutoTokenizer.from_pretrained(default_model_path)
     prompts = [tok(p)["input_ids"] for p in PROMPTS]
     with Engine(default_model_path, dtype="float32", max_total_tokens=8192) as engine:
@@ -133,6 +141,14 @@ def test_int8_top1_agrees_with_float32_on_the_default_model(default_model_path: 
                                                                     "ignore_eos": True})
     seqs = [p + o["output_ids"] for p, o in zip(prompts, outs, strict=True)]
     ref = _teacher_forced_argmax(PagedHarness(default_model_path, page_size=16, max_context=128), seqs)
+    return Float32Reference(seqs, ref)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_int8_top1_agrees_with_float32_on_the_default_model(default_model_path: str, dtype: str,
+                                                            float32_reference: Float32Reference) -> None:
+    seqs, ref = float32_reference.seqs, float32_reference.argmax
     int8 = _teacher_forced_argmax(PagedHarness(default_model_path, page_size=16, max_context=128,
                                                dtype=dtype, quantization="int8"), seqs)
     agree = sum(int((a == b).sum()) for a, b in zip(ref, int8, strict=True))
