@@ -256,7 +256,7 @@ class PrefillSide(Side):
         Decode counts its transfer deadline from a room's last mention, so a long prefill
         queue never reads as a stalled transfer while a hung engine or link still does."""
         cfg = self.cfg
-        engine_bound = max(cfg.heartbeat_timeout_s, cfg.transfer_timeout_s)
+        engine_bound = cfg.engine_bound_s
         rooms = [rid for rid, e in self.early.items() if e.identity == identity]
         for rid, room in self.rooms.items():
             if room.peer is None or room.peer.identity != identity or room.failed_at is not None:
@@ -502,6 +502,10 @@ class PrefillSide(Side):
             self._finish(room, ok=False)
         elif room.last_posted and not room.outstanding and not room.pending:
             self._finish(room, ok=True)
+        elif now - room.sender.watched_at > self.cfg.engine_bound_s:
+            why = (f"prefill's engine has not looked after this request for {now - room.sender.watched_at:.1f}s "
+                   f"(hung: past {self.cfg.engine_bound_s:.1f}s)")
+            self._room_failed(room, FailureCause.TRANSFER_TIMEOUT, why)
         elif room.peer is None and now - room.created > self.cfg.bootstrap_timeout_s:
             why = f"bootstrap timeout: decode sent no page ids within {self.cfg.bootstrap_timeout_s:.1f}s"
             self._room_failed(room, FailureCause.BOOTSTRAP_TIMEOUT, why)
