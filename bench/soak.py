@@ -242,7 +242,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if not (args.rate > 0 and math.isfinite(args.rate)):
         raise SystemExit("--rate must be a positive number")
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run the finally: stop pd.sh
+    previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run the finally: stop pd.sh
     pd = None
     if args.base_url:
         roles = [Role(n, int(p)) for n, _, p in (r.partition("=") for r in args.roles)]
@@ -264,6 +264,7 @@ def main(argv: list[str] | None = None) -> int:
             roles = read_pids_file(pd.log_dir / "pids")
         result = asyncio.run(soak(args, base_url, roles, key))
     finally:
+        signal.signal(signal.SIGTERM, previous)
         if pd is not None:
             pd.stop()
             key_file.unlink(missing_ok=True)

@@ -45,6 +45,7 @@ TESTS = Path(__file__).resolve().parent
 PROC_PATHS = (
     "bench/test_engine_loops.py",
     "bench/test_serving_bench.py",
+    "bench/test_soak.py",
     "compat/",
     "engine/test_tensor_parallel.py",
     "harness/",
