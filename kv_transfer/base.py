@@ -64,7 +64,9 @@ class KVTransferError(RuntimeError):
 class TransferConfig:
     """Every timeout and knob of kv_transfer, in one place. Defaults:
 
-    - bootstrap_timeout_s = 300: prefill fails a sender whose decode never sent page ids.
+    - bootstrap_timeout_s = 300: prefill fails a sender whose decode sent no page ids for this
+      long after its creation or decode's last mention of the room in a Ping (decode lists the
+      rooms its prealloc queue holds, at every ping: a long wait for decode memory is no lost decode).
     - handshake_timeout_s = 10: decode fails the rooms of a prefill that does not answer
       its registration.
     - transfer_timeout_s = 300: decode fails a receiver that got no status message and

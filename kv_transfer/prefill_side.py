@@ -106,6 +106,7 @@ class _Room:
     post_s: float = 0.0  # summed over its handles
     wire_s: float = 0.0  # summed over its KV handles: posted -> DONE
     progress_at: float = 0.0  # its last WRITE posted or DONE
+    waited_at: float = 0.0  # decode's last mention of it in a Ping (its prealloc queue holds it)
 
 
 def memory_type_mismatch(prefill_mem_type: str, decode_mem_type: str) -> str | None:
@@ -184,6 +185,8 @@ class PrefillSide(Side):
         elif isinstance(msg, InfoQuery):
             self.reply(identity, RegisterAck(self.info))
         elif isinstance(msg, Ping):
+            if peer is not None:
+                self._decode_waits(msg.rooms, now)
             self.reply(identity, Pong(msg.seq, self.endpoint.name, self.live_rooms(identity, now)))
         elif isinstance(msg, TransferRequest):
             self._on_transfer_request(identity, msg, now)
@@ -247,6 +250,14 @@ class PrefillSide(Side):
         if len(self.peers) >= self.cfg.max_peers:
             return f"too many decode peers ({self.cfg.max_peers})"
         return None
+
+    def _decode_waits(self, rooms: list[int], now: float) -> None:
+        """A registered decode still queues these rooms for memory before it sends their page
+        ids: the bootstrap timeout counts from this last mention (the mirror of live_rooms)."""
+        for rid in rooms:
+            room = self.rooms.get(rid)
+            if room is not None and room.peer is None:
+                room.waited_at = now
 
     def live_rooms(self, identity: bytes, now: float) -> list[int]:
         """The rooms of decode `identity` this prefill still looks after: their request waits
@@ -506,8 +517,9 @@ class PrefillSide(Side):
             why = (f"prefill's engine has not looked after this request for {now - room.sender.watched_at:.1f}s "
                    f"(hung: past {self.cfg.engine_bound_s:.1f}s)")
             self._room_failed(room, FailureCause.TRANSFER_TIMEOUT, why)
-        elif room.peer is None and now - room.created > self.cfg.bootstrap_timeout_s:
-            why = f"bootstrap timeout: decode sent no page ids within {self.cfg.bootstrap_timeout_s:.1f}s"
+        elif room.peer is None and now - max(room.created, room.waited_at) > self.cfg.bootstrap_timeout_s:
+            why = (f"bootstrap timeout: decode sent no page ids and did not mention the room for "
+                   f"{self.cfg.bootstrap_timeout_s:.1f}s")
             self._room_failed(room, FailureCause.BOOTSTRAP_TIMEOUT, why)
 
     def _handle_done(self, room: _Room, xfer: PostedXfer) -> None:

@@ -127,3 +127,35 @@ def test_hung_prefill_engine_fails_its_rooms_within_the_watchdog_timeout(hung_pr
     assert wait_until(lambda: pair.decode.stat("num_transfer_queue_reqs") == 0
                       and pair.decode.stat("kv_pages_in_use") == 0 and pair.decode.stat("num_draining_reqs") == 0,
                       20, period_s=0.2), pair.decode.log()[-2000:]
+
+
+BOOTSTRAP_TIMEOUT_S = 3.0
+
+
+@pytest.fixture(scope="module")
+def queued_decode_pair(tiny_llama_path: str) -> Iterator[PDPair]:
+    """Decode runs one request at a time, each step 0.5 s slower: a second request waits in its
+    prealloc queue (no page ids sent) far longer than prefill's 3 s bootstrap timeout."""
+    p = start_pair(Path(tiny_llama_path),
+                   ["--page-size", "4", "--disaggregation-bootstrap-timeout", str(BOOTSTRAP_TIMEOUT_S), *HB],
+                   ["--page-size", "4", "--max-running-requests", "1",
+                    "--engine-fault-spec", "slow_step_s=0.5,after_steps=0", *HB])
+    try:
+        yield p
+    finally:
+        p.stop()
+
+
+def test_decode_prealloc_queue_longer_than_the_bootstrap_timeout_is_served(
+    queued_decode_pair: PDPair, tiny_llama_path: str
+) -> None:
+    pair = queued_decode_pair
+    batch = prompts(2, 24, seed=10)
+    t0 = time.monotonic()
+    results = pair.run([pair.body(p, 10) for p in batch], timeout_s=90)
+    waited = time.monotonic() - t0
+    for prompt, res in zip(batch, results, strict=True):
+        assert res.error is None and res.decode_status == 200 and res.prefill_status == 200, res
+        assert res.output_ids == hf_greedy(tiny_llama_path, prompt, 10)
+    assert waited > 2 * BOOTSTRAP_TIMEOUT_S, f"took {waited:.1f}s: no request outwaited the bootstrap timeout"
+    pair.wait_whole()
