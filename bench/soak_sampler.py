@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import resource
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -87,7 +86,7 @@ def sample_procs(roles: list[Role]) -> dict[str, ProcSample]:
     kids = _children()
     out: dict[str, ProcSample] = {}
     for role in roles:
-        stack, seen = [role.pid], 0
+        stack = [role.pid]
         while stack:
             pid = stack.pop()
             stack.extend(kids.get(pid, ()))
@@ -100,7 +99,6 @@ def sample_procs(roles: list[Role]) -> dict[str, ProcSample]:
             while key in out:
                 key, n = f"{role.name}/{comm}#{n}", n + 1
             out[key] = s
-            seen += 1
     return out
 
 
@@ -169,6 +167,3 @@ def pools_idle(engines: dict[str, dict[str, float]]) -> dict[str, str]:
         out[url] = "" if not busy and in_use == 0 and whole else f"busy {busy}, in use {in_use}, whole {whole}"
     return out
 
-
-def now() -> float:
-    return time.monotonic()
