@@ -32,6 +32,7 @@ class Mode:
     name: str
     cache_capacity: int | None  # None: leave the env as the process found it
     bucket: int = 0  # round prompt lengths up to a multiple of this (0: as drawn)
+    row_bucket: int = 0  # --cpu-prefill-row-bucket of the engine (0: off)
 
 
 def rss_mib() -> float:
@@ -48,7 +49,8 @@ def child(mode: Mode, model_path: str | None, dtype: str, conn: Connection) -> N
     from common.engine import Engine
 
     engine = Engine(model_path=model_path, dtype=dtype, page_size=16, chunked_prefill_size=512,
-                    max_total_tokens=16384, max_running_requests=8)
+                    max_total_tokens=16384, max_running_requests=8,
+                    cpu_prefill_row_bucket=mode.row_bucket)
     rng = random.Random(1)
     conn.send("ready")
     while (n := conn.recv()) is not None:
@@ -80,18 +82,24 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--max-len", type=int, default=800)
     ap.add_argument("--bucket", type=int, default=64)
     ap.add_argument("--modes", default="default,cache16,cache64,bucketed",
-                    help="default, cacheN (ONEDNN_PRIMITIVE_CACHE_CAPACITY=N), bucketed")
+                    help="default, cacheN (ONEDNN_PRIMITIVE_CACHE_CAPACITY=N), bucketed (prompts rounded up to "
+                         "--bucket), rowsN (--cpu-prefill-row-bucket N); '+' combines: cache16+rows64")
     return ap.parse_args(argv)
 
 
 def make_mode(name: str, bucket: int) -> Mode:
-    if name == "default":
-        return Mode(name, None)
-    if name.startswith("cache"):
-        return Mode(name, int(name.removeprefix("cache")))
-    if name == "bucketed":
-        return Mode(name, None, bucket)
-    raise SystemExit(f"unknown mode {name!r}")
+    """default | cacheN | bucketed | rowsN (--cpu-prefill-row-bucket N); joined with '+'."""
+    cache, prompt_bucket, rows = None, 0, 0
+    for part in name.split("+"):
+        if part.startswith("cache"):
+            cache = int(part.removeprefix("cache"))
+        elif part.startswith("rows"):
+            rows = int(part.removeprefix("rows"))
+        elif part == "bucketed":
+            prompt_bucket = bucket
+        elif part != "default":
+            raise SystemExit(f"unknown mode {name!r}")
+    return Mode(name, cache, prompt_bucket, rows)
 
 
 def main(argv: list[str] | None = None) -> None:

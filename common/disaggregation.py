@@ -39,6 +39,7 @@ def transfer_config(args: ServerArgs) -> TransferConfig:
     return TransferConfig(
         bootstrap_timeout_s=args.disaggregation_bootstrap_timeout,
         transfer_timeout_s=args.disaggregation_transfer_timeout,
+        engine_watch_timeout_s=args.watchdog_timeout if args.disaggregation_mode == "prefill" else None,
         heartbeat_interval_s=args.disaggregation_heartbeat_interval,
         heartbeat_timeout_s=args.disaggregation_heartbeat_timeout,
         handshake_timeout_s=args.disaggregation_handshake_timeout,

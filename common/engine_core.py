@@ -218,7 +218,7 @@ def build_rank_worker(
     runner = ModelRunner(
         model_path, dtype=dtype, device=device, kv_pool=create_kv_pool, req_to_token=req_pool.table,
         attention_backend=args.attention_backend, streams=streams, tp=tp, keep_plain_weights=compile_decode,
-        quantization=args.quantization,
+        quantization=args.quantization, prefill_row_bucket=args.cpu_prefill_row_bucket,
     )
     if compile_decode:
         from common.model.compiled_decode import CompileCapture

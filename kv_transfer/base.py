@@ -64,7 +64,9 @@ class KVTransferError(RuntimeError):
 class TransferConfig:
     """Every timeout and knob of kv_transfer, in one place. Defaults:
 
-    - bootstrap_timeout_s = 300: prefill fails a sender whose decode never sent page ids.
+    - bootstrap_timeout_s = 300: prefill fails a sender whose decode sent no page ids for this
+      long after its creation or decode's last mention of the room in a Ping (decode lists the
+      rooms its prealloc queue holds, at every ping: a long wait for decode memory is no lost decode).
     - handshake_timeout_s = 10: decode fails the rooms of a prefill that does not answer
       its registration.
     - transfer_timeout_s = 300: decode fails a receiver that got no status message and
@@ -72,6 +74,11 @@ class TransferConfig:
       long after init() or the last such sign. On prefill: how long its engine may leave a
       room unpolled (a long forward, a hang) before the room's sign of life stops; a room
       with WRITEs outstanding and none completing for heartbeat_timeout_s has none either.
+    - engine_watch_timeout_s = None: prefill, how long its engine may leave a live room unpolled
+      (the engine polls every room each loop iteration) before it counts as hung: the room's
+      sign of life stops and prefill fails it, so decode hears at once. The prefill instance
+      passes its --watchdog-timeout (a phase longer than that is a hang there too); None:
+      max(heartbeat_timeout_s, transfer_timeout_s).
     - heartbeat_interval_s = 5, heartbeat_timeout_s = 15: decode pings every prefill it
       uses; silence for the timeout fails all that prefill's rooms. Prefill likewise fails
       the rooms of a decode it has not heard from for the timeout.
@@ -98,6 +105,7 @@ class TransferConfig:
     bootstrap_timeout_s: float = 300.0
     handshake_timeout_s: float = 10.0
     transfer_timeout_s: float = 300.0
+    engine_watch_timeout_s: float | None = None
     heartbeat_interval_s: float = 5.0
     heartbeat_timeout_s: float = 15.0
     drain_timeout_s: float = 30.0
@@ -114,9 +122,16 @@ class TransferConfig:
     max_reason_chars: int = 256
     faults: str = ""
 
+    @property
+    def engine_bound_s(self) -> float:
+        """See engine_watch_timeout_s."""
+        if self.engine_watch_timeout_s is not None:
+            return self.engine_watch_timeout_s
+        return max(self.heartbeat_timeout_s, self.transfer_timeout_s)
+
     def __post_init__(self) -> None:
         for name, value in self.__dict__.items():
-            if name.endswith("_s") and not value > 0:
+            if name.endswith("_s") and value is not None and not value > 0:
                 raise ValueError(f"TransferConfig.{name} must be > 0, got {value}")
         if self.heartbeat_timeout_s <= self.heartbeat_interval_s:
             raise ValueError("TransferConfig.heartbeat_timeout_s must exceed heartbeat_interval_s")

@@ -276,7 +276,8 @@ class DecodeSide(Side):
                 continue
             if now - peer.last_ping >= self.ping_interval:
                 peer.last_ping = now
-                self._send(peer, Ping(next(self._ping_seq)))
+                waiting = [room for room, rec in peer.recvs.items() if rec.sent_at is None]
+                self._send(peer, Ping(next(self._ping_seq), waiting))
             for rec in list(peer.recvs.values()):
                 if rec.sent_at is None:
                     continue

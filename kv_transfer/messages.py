@@ -23,11 +23,12 @@ from __future__ import annotations
 
 import msgspec
 
-PROTOCOL_VERSION = 7  # 2: TransferRequest.skip_pages (decode's prefix cache); 3: Register.instance_token;
+PROTOCOL_VERSION = 8  # 2: TransferRequest.skip_pages (decode's prefix cache); 3: Register.instance_token;
 # 4: head_slices (tensor parallelism: one [first head, heads] per TP rank; bases are per slice);
 # 5: one NIXL agent per TP rank (Register.rank_agents, kv_devices; PrefillInfo.rank_agents);
 # 6: page-major KV pools (WireLayout.order; Register.kv_bases: one pool base per slice)
 # 7: Pong.rooms (per-room sign of life: a long prefill queue is no stalled transfer)
+# 8: Ping.rooms (the mirror: a long decode prealloc queue is no lost decode)
 
 
 class WireLayout(msgspec.Struct, frozen=True, array_like=True):
@@ -106,6 +107,7 @@ class Status(msgspec.Struct, frozen=True, array_like=True, tag="status"):
 
 class Ping(msgspec.Struct, frozen=True, array_like=True, tag="ping"):
     seq: int
+    rooms: list[int] = []  # rooms decode holds that have not sent their page ids yet (its prealloc queue)
 
 
 class Pong(msgspec.Struct, frozen=True, array_like=True, tag="pong"):

@@ -106,6 +106,7 @@ class _Room:
     post_s: float = 0.0  # summed over its handles
     wire_s: float = 0.0  # summed over its KV handles: posted -> DONE
     progress_at: float = 0.0  # its last WRITE posted or DONE
+    waited_at: float = 0.0  # decode's last mention of it in a Ping (its prealloc queue holds it)
 
 
 def memory_type_mismatch(prefill_mem_type: str, decode_mem_type: str) -> str | None:
@@ -184,6 +185,8 @@ class PrefillSide(Side):
         elif isinstance(msg, InfoQuery):
             self.reply(identity, RegisterAck(self.info))
         elif isinstance(msg, Ping):
+            if peer is not None:
+                self._decode_waits(msg.rooms, now)
             self.reply(identity, Pong(msg.seq, self.endpoint.name, self.live_rooms(identity, now)))
         elif isinstance(msg, TransferRequest):
             self._on_transfer_request(identity, msg, now)
@@ -248,6 +251,14 @@ class PrefillSide(Side):
             return f"too many decode peers ({self.cfg.max_peers})"
         return None
 
+    def _decode_waits(self, rooms: list[int], now: float) -> None:
+        """A registered decode still queues these rooms for memory before it sends their page
+        ids: the bootstrap timeout counts from this last mention (the mirror of live_rooms)."""
+        for rid in rooms:
+            room = self.rooms.get(rid)
+            if room is not None and room.peer is None:
+                room.waited_at = now
+
     def live_rooms(self, identity: bytes, now: float) -> list[int]:
         """The rooms of decode `identity` this prefill still looks after: their request waits
         here for its engine (early), or the engine polled it within transfer_timeout_s (one
@@ -256,7 +267,7 @@ class PrefillSide(Side):
         Decode counts its transfer deadline from a room's last mention, so a long prefill
         queue never reads as a stalled transfer while a hung engine or link still does."""
         cfg = self.cfg
-        engine_bound = max(cfg.heartbeat_timeout_s, cfg.transfer_timeout_s)
+        engine_bound = cfg.engine_bound_s
         rooms = [rid for rid, e in self.early.items() if e.identity == identity]
         for rid, room in self.rooms.items():
             if room.peer is None or room.peer.identity != identity or room.failed_at is not None:
@@ -502,8 +513,13 @@ class PrefillSide(Side):
             self._finish(room, ok=False)
         elif room.last_posted and not room.outstanding and not room.pending:
             self._finish(room, ok=True)
-        elif room.peer is None and now - room.created > self.cfg.bootstrap_timeout_s:
-            why = f"bootstrap timeout: decode sent no page ids within {self.cfg.bootstrap_timeout_s:.1f}s"
+        elif now - room.sender.watched_at > self.cfg.engine_bound_s:
+            why = (f"prefill's engine has not looked after this request for {now - room.sender.watched_at:.1f}s "
+                   f"(hung: past {self.cfg.engine_bound_s:.1f}s)")
+            self._room_failed(room, FailureCause.TRANSFER_TIMEOUT, why)
+        elif room.peer is None and now - max(room.created, room.waited_at) > self.cfg.bootstrap_timeout_s:
+            why = (f"bootstrap timeout: decode sent no page ids and did not mention the room for "
+                   f"{self.cfg.bootstrap_timeout_s:.1f}s")
             self._room_failed(room, FailureCause.BOOTSTRAP_TIMEOUT, why)
 
     def _handle_done(self, room: _Room, xfer: PostedXfer) -> None:

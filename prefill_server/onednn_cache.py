@@ -7,8 +7,8 @@ primitives used once and the engine's RSS grows ~2.5 MiB per request until it is
 runs a few bucketed batch sizes and never fills it. A prefill forward needs only a handful of
 primitives (one per weight shape: every layer shares them), so a small cache costs a primitive
 build per new chunk length. Measured (bench/prefill_memory.py, README's Status section): the
-slope drops from ~2.7 to ~1.7 MiB per request at ~3% of prefill tokens/s; the rest goes away
-only with bucketed chunk lengths, which the engine does not do yet.
+slope drops from ~2.7 to ~1.7 MiB per request at ~3% of prefill tokens/s; the rest went away with
+bucketed linear rows (--cpu-prefill-row-bucket, common/model/packed_linear.py: ~0.1 MiB per request).
 
 The prefill frontend sets the variable before it spawns the engine, so the engine process
 starts with it (before torch creates its first primitive, when oneDNN reads it). A value the

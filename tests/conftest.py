@@ -46,6 +46,7 @@ TIERS = ("unit", "proc", "reliability")
 PROC_PATHS = (
     "bench/test_engine_loops.py",
     "bench/test_serving_bench.py",
+    "bench/test_soak.py",
     "compat/",
     "engine/test_tensor_parallel.py",
     "harness/",

@@ -8,6 +8,7 @@ batch.out_cache_loc and reads them through req_to_token.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import Callable
@@ -23,7 +24,7 @@ from common.model.forward_batch import ForwardBatch, ForwardMode
 from common.model.fused_ops import select_fused_ops
 from common.model.int8_linear import check_quantization
 from common.model.loader import build_model
-from common.model.packed_linear import prepack_supported
+from common.model.packed_linear import padded_rows, prepack_supported
 from common.model.tensor_parallel import NO_TP, TPGroup, TPShard
 
 logger = logging.getLogger(__name__)
@@ -44,6 +45,7 @@ class ModelRunner:
         streams: DeviceStreams | None = None,
         tp: TPGroup = NO_TP,
         quantization: str | None = None,
+        prefill_row_bucket: int = 0,
     ) -> None:
         """model_path: an HF checkpoint dir (see default_model.resolve_model_path for "default").
         kv_pool: the pool, or a function that builds it, called once the weights are loaded (so a
@@ -56,7 +58,9 @@ class ModelRunner:
         default the device's own (a worker stream on CUDA).
         tp: this rank's tensor-parallel group; the runner holds its TPShard of the weights and
         the KV pool holds that shard's KV heads.
-        quantization: None, or "int8" (weight-only, CPU with bfloat16 activations; int8_linear.py)."""
+        quantization: None, or "int8" (weight-only, CPU with bfloat16 activations; int8_linear.py).
+        prefill_row_bucket: CPU, prepacked linears: extend (prefill) forwards pad each linear's rows
+        to packed_linear.bucket_rows(rows, this) (0: off), bounding oneDNN's primitive shapes."""
         self.model_config = ModelConfig.from_pretrained(model_path)
         self.tp = tp
         self.shard = TPShard.of(self.model_config, tp.rank, tp.size)
@@ -64,6 +68,7 @@ class ModelRunner:
         self.dtype = resolve_dtype(dtype, self.device)
         self.req_to_token = req_to_token
         self.streams = streams or make_device_streams(self.device)
+        self.prefill_row_bucket = prefill_row_bucket
         if isinstance(kv_pool, KVPool):
             self._check_kv_memory(kv_pool)
         start = time.perf_counter()
@@ -136,7 +141,9 @@ class ModelRunner:
         """Final hidden states of the last token of each request, or of every token."""
         self._check(batch)
         self.attn_backend.init_forward_metadata(batch)
-        return self.model(batch, self.kv_pool, self.attn_backend, all_tokens=all_tokens)
+        pad = self.weights_prepacked and self.prefill_row_bucket > 0 and batch.mode != ForwardMode.DECODE
+        with padded_rows(self.prefill_row_bucket) if pad else contextlib.nullcontext():
+            return self.model(batch, self.kv_pool, self.attn_backend, all_tokens=all_tokens)
 
     def _check(self, batch: ForwardBatch) -> None:
         if min(batch.extend_lens_cpu, default=1) < 1:

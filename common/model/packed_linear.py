@@ -27,7 +27,9 @@ C++ GEMM template packs its own way. Measured on the AVX2 EPYC (all 121 linears,
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+import threading
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -41,6 +43,34 @@ PACK_BATCH_HINT = 32
 # Compiled decode steps of up to this many rows run their linears through inductor's C++ GEMM
 # template (on the plain weights); above it oneDNN's packed linear is the faster one.
 COMPILED_TEMPLATE_MAX_ROWS = 4
+
+
+_rows_bucket = threading.local()
+
+
+def bucket_rows(rows: int, bucket: int) -> int:
+    """Rows a packed linear computes for `rows` real ones under `bucket`: the next power of two
+    up to `bucket`, then the next multiple of `bucket` (so at most log2(bucket) + max_rows/bucket
+    shapes, each one oneDNN primitive per weight shape). bucket 0: rows as they are."""
+    if bucket <= 0 or rows <= 0:
+        return rows
+    if rows >= bucket:
+        return -(-rows // bucket) * bucket
+    return 1 << (rows - 1).bit_length()
+
+
+@contextlib.contextmanager
+def padded_rows(bucket: int) -> Iterator[None]:
+    """Within this block (this thread only) every PackedLinear pads its rows per bucket_rows and
+    drops the padding from its output: prefill's chunks of any length then run a bounded set of
+    GEMM shapes (prefill_server/onednn_cache.py says why that matters). Rows are independent in
+    a linear, so the real rows' outputs are those of the unpadded call."""
+    before = getattr(_rows_bucket, "value", 0)
+    _rows_bucket.value = bucket
+    try:
+        yield
+    finally:
+        _rows_bucket.value = before
 
 
 def prepack_supported(device: torch.device, dtype: torch.dtype) -> bool:
@@ -81,11 +111,15 @@ class PackedLinear(RowsLinear):
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
 
     def _rows(self, rows: torch.Tensor) -> torch.Tensor:
-        if (self.plain_weight is not None and rows.shape[0] <= COMPILED_TEMPLATE_MAX_ROWS
-                and torch.compiler.is_compiling()):
+        compiling = torch.compiler.is_compiling()
+        if self.plain_weight is not None and rows.shape[0] <= COMPILED_TEMPLATE_MAX_ROWS and compiling:
             return F.linear(rows, self.plain_weight, self.bias)
+        n = rows.shape[0]
+        padded = n if compiling else bucket_rows(n, getattr(_rows_bucket, "value", 0))
+        if padded != n:
+            rows = torch.cat([rows, rows.new_zeros(padded - n, rows.shape[1])])
         out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(rows, self.packed_weight, self.bias, "none", [], "")
-        return out
+        return out if padded == n else out[:n]
 
 
 def replace_linears(model: nn.Module, make: Callable[[nn.Linear], nn.Module]) -> int:

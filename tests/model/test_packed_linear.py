@@ -46,3 +46,59 @@ def test_prepack_only_where_the_dtype_is_native(monkeypatch: pytest.MonkeyPatch)
     monkeypatch.setattr(packed_linear, "cpu_has_native_bf16", lambda: False)
     assert not prepack_supported(cpu, torch.bfloat16)
     assert prepack_supported(cpu, torch.float32) == torch.backends.mkldnn.is_available()
+
+
+def test_bucket_rows_powers_of_two_then_multiples() -> None:
+    got = [packed_linear.bucket_rows(n, 64) for n in (1, 2, 3, 5, 33, 63, 64, 65, 129, 500)]
+    assert got == [1, 2, 4, 8, 64, 64, 64, 128, 192, 512]
+    assert packed_linear.bucket_rows(37, 0) == 37
+    shapes = {packed_linear.bucket_rows(n, 64) for n in range(1, 8193)}
+    assert len(shapes) == 6 + 8192 // 64  # 1..32, then one per multiple of 64
+
+
+def linear_rows_run(fn: object) -> list[int]:
+    """Row counts oneDNN's packed linear ran on while fn() ran (the profiler records real op inputs)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+        fn()  # type: ignore[operator]
+    return [e.input_shapes[0][0] for e in prof.events() if e.name == "mkldnn::_linear_pointwise"]
+
+
+@needs_mkldnn
+@pytest.mark.parametrize("rows", [1, 3, 37, 64, 100])
+def test_padded_rows_runs_bucketed_shapes_and_returns_the_same_numbers(rows: int) -> None:
+    torch.manual_seed(rows)
+    linear = nn.Linear(64, 96)
+    packed = PackedLinear(linear.weight, linear.bias)
+    x = torch.randn(rows, 64)
+    got: list[torch.Tensor] = []
+
+    def padded() -> None:
+        with torch.inference_mode(), packed_linear.padded_rows(64):
+            got.append(packed(x))
+
+    with torch.inference_mode():
+        want = packed(x)
+    assert linear_rows_run(padded) == [packed_linear.bucket_rows(rows, 64)]
+    assert got[0].shape == (rows, 96)
+    assert torch.equal(got[0], want)  # rows are independent: bit for bit
+    assert linear_rows_run(lambda: packed(x)) == [rows]  # outside the block: unpadded again
+
+
+@needs_mkldnn
+def test_runner_pads_extend_rows_only_and_keeps_the_logits(tiny_llama_path: str) -> None:
+    from common.model.forward_batch import ForwardMode
+    from tests.model.harness import PagedHarness
+
+    h = PagedHarness(tiny_llama_path, page_size=4)
+    assert h.runner.weights_prepacked
+    prompt = [(7 * i) % 300 + 3 for i in range(37)]
+    want = h.step_last(ForwardMode.EXTEND, [("plain", prompt)])
+    h.runner.prefill_row_bucket = 64
+    got: list[torch.Tensor] = []
+    extend_rows = linear_rows_run(lambda: got.append(h.step_last(ForwardMode.EXTEND, [("padded", prompt)])))
+    assert torch.equal(got[0], want)
+    assert set(extend_rows[:-1]) == {64} and extend_rows[-1] == 1  # the head runs on the last token only
+    decode_rows = linear_rows_run(lambda: h.step_last(ForwardMode.DECODE, [("plain", [5]), ("padded", [5])]))
+    assert set(decode_rows) == {2}

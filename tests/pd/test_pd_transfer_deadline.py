@@ -6,6 +6,8 @@ queue many times longer than decode's 3 s --disaggregation-transfer-timeout whil
 stays alive: every request must complete, token for token as transformers. A SIGSTOPped
 prefill sends no sign of life: decode must fail its requests within the transfer timeout
 (the peer heartbeat timeout is set far longer, so the per-room deadline is what fires).
+A prefill whose engine hangs (process alive) fails its rooms itself once the engine has left
+them unpolled past --watchdog-timeout, so decode hears at once (second pair).
 """
 
 from __future__ import annotations
@@ -92,3 +94,68 @@ def test_stopped_prefill_still_fails_within_the_transfer_timeout(pair: PDPair, t
         else:
             assert res.error["type"] == "transfer_timeout" and "sign of life" in res.error["message"], res
     pair.wait_whole(timeout_s=40)
+
+
+WATCHDOG_S = 2.0
+
+
+@pytest.fixture(scope="module")
+def hung_prefill_pair(tiny_llama_path: str) -> Iterator[PDPair]:
+    """Prefill's first forward never returns; decode's transfer and heartbeat timeouts are long,
+    so only prefill's own verdict on its hung engine can fail the rooms quickly."""
+    p = start_pair(Path(tiny_llama_path),
+                   ["--page-size", "4", "--engine-fault-spec", "hang,after_steps=0",
+                    "--watchdog-timeout", str(WATCHDOG_S), *HB],
+                   ["--page-size", "4", "--disaggregation-transfer-timeout", "120", *HB])
+    try:
+        yield p
+    finally:
+        p.stop()
+
+
+def test_hung_prefill_engine_fails_its_rooms_within_the_watchdog_timeout(hung_prefill_pair: PDPair) -> None:
+    pair = hung_prefill_pair
+    t0 = time.monotonic()
+    results = pair.run([pair.body(p, 6) for p in prompts(2, 24, seed=9)], timeout_s=60)
+    took = time.monotonic() - t0
+    for res in results:
+        assert res.error is not None and res.error["type"] == "transfer_timeout", res
+        assert "engine has not looked after this request" in res.error["message"], res
+    # Before: prefill vouched for the rooms until max(heartbeat, transfer) timeout and decode failed
+    # them only when the exiting instance's heartbeats stopped (30 s here) or its 120 s deadline.
+    assert took < WATCHDOG_S + 10, f"decode failed the rooms {took:.1f}s after they were sent"
+    assert wait_until(lambda: pair.decode.stat("num_transfer_queue_reqs") == 0
+                      and pair.decode.stat("kv_pages_in_use") == 0 and pair.decode.stat("num_draining_reqs") == 0,
+                      20, period_s=0.2), pair.decode.log()[-2000:]
+
+
+BOOTSTRAP_TIMEOUT_S = 3.0
+
+
+@pytest.fixture(scope="module")
+def queued_decode_pair(tiny_llama_path: str) -> Iterator[PDPair]:
+    """Decode runs one request at a time, each step 0.5 s slower: a second request waits in its
+    prealloc queue (no page ids sent) far longer than prefill's 3 s bootstrap timeout."""
+    p = start_pair(Path(tiny_llama_path),
+                   ["--page-size", "4", "--disaggregation-bootstrap-timeout", str(BOOTSTRAP_TIMEOUT_S), *HB],
+                   ["--page-size", "4", "--max-running-requests", "1",
+                    "--engine-fault-spec", "slow_step_s=0.5,after_steps=0", *HB])
+    try:
+        yield p
+    finally:
+        p.stop()
+
+
+def test_decode_prealloc_queue_longer_than_the_bootstrap_timeout_is_served(
+    queued_decode_pair: PDPair, tiny_llama_path: str
+) -> None:
+    pair = queued_decode_pair
+    batch = prompts(2, 24, seed=10)
+    t0 = time.monotonic()
+    results = pair.run([pair.body(p, 10) for p in batch], timeout_s=90)
+    waited = time.monotonic() - t0
+    for prompt, res in zip(batch, results, strict=True):
+        assert res.error is None and res.decode_status == 200 and res.prefill_status == 200, res
+        assert res.output_ids == hf_greedy(tiny_llama_path, prompt, 10)
+    assert waited > 2 * BOOTSTRAP_TIMEOUT_S, f"took {waited:.1f}s: no request outwaited the bootstrap timeout"
+    pair.wait_whole()
