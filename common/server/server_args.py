@@ -30,6 +30,7 @@ DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 OVERLAP_WORKER_THREADS = ("auto", "on", "off")
+GRAMMAR_BACKENDS = ("xgrammar", "none")
 
 
 @dataclass(frozen=True)
@@ -77,6 +78,7 @@ class ServerArgs:
     torch_compile_max_bs: int = 32
     quantization: str | None = None
     random_seed: int | None = None
+    grammar_backend: str = "xgrammar"
     # Prefill/decode disaggregation
     disaggregation_mode: str = "null"
     disaggregation_bootstrap_port: int = 8998
@@ -116,6 +118,7 @@ class ServerArgs:
             "dtype": DTYPES,
             "log_level": LOG_LEVELS,
             "overlap_worker_thread": OVERLAP_WORKER_THREADS,
+            "grammar_backend": GRAMMAR_BACKENDS,
         }
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
@@ -296,6 +299,8 @@ _HELP: dict[str, str] = {
     "batch-size bucket up to --torch-compile-max-bs (cached under TORCHINDUCTOR_CACHE_DIR)",
     "torch_compile_max_bs": "largest decode batch run through a compiled step (larger ones run eagerly)",
     "random_seed": "seed for sampling",
+    "grammar_backend": "structured output (json_schema / regex / ebnf, response_format): xgrammar, or none to "
+    "refuse constrained requests with 400 (SGLang's flag)",
     "disaggregation_mode": "null (colocated), prefill or decode",
     "disaggregation_bootstrap_port": "prefill's bootstrap server port",
     "disaggregation_transfer_backend": "KV transfer backend",
@@ -344,6 +349,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "dtype": DTYPES,
         "log_level": LOG_LEVELS,
         "overlap_worker_thread": OVERLAP_WORKER_THREADS,
+        "grammar_backend": GRAMMAR_BACKENDS,
     }
     for field in dataclasses.fields(ServerArgs):
         default = field.default

@@ -1,0 +1,51 @@
+"""Parse a GrammarSpec with xgrammar: the check that names what is wrong with a schema, regex or
+grammar. Importing xgrammar imports torch (tvm_ffi does), so only engine processes and the
+router's checker process (router/grammar_check.py) call this."""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+from common.grammar.spec import GrammarSpec
+
+# Compact JSON: no whitespace between tokens beyond ", " and ": ". With any whitespace allowed a
+# small model can loop on blanks until max_tokens (SGLang's --constrained-json-disable-any-whitespace).
+JSON_ANY_WHITESPACE = False
+
+
+_SOURCE_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: ")  # xgrammar's "[time] file.cc:line: "
+
+
+class InvalidGrammar(ValueError):
+    """The spec does not parse; the message names the kind and the problem (safe for a client)."""
+
+
+def parse_grammar(spec: GrammarSpec) -> Any:
+    """xgrammar.Grammar of spec, or InvalidGrammar."""
+    import xgrammar as xgr
+
+    try:
+        if spec.kind == "json_schema":
+            schema = json.loads(spec.text)
+            if not isinstance(schema, dict | bool):
+                raise InvalidGrammar("json_schema must be a JSON object")
+            return xgr.Grammar.from_json_schema(spec.text, any_whitespace=JSON_ANY_WHITESPACE, strict_mode=True)
+        if spec.kind == "regex":
+            return xgr.Grammar.from_regex(spec.text)
+        if spec.kind == "ebnf":
+            return xgr.Grammar.from_ebnf(spec.text)
+    except InvalidGrammar:
+        raise
+    except json.JSONDecodeError as e:
+        raise InvalidGrammar(f"json_schema is not valid JSON: {e}") from None
+    except Exception as e:  # xgrammar raises RuntimeError / ValueError with the parser's message
+        raise InvalidGrammar(f"invalid {spec.kind}: {_first_line(e)}") from None
+    raise InvalidGrammar(f"unknown grammar kind {spec.kind!r}")
+
+
+def _first_line(e: Exception) -> str:
+    text = str(e).strip().splitlines()
+    msg = _SOURCE_PREFIX.sub("", text[0]) if text else type(e).__name__
+    return msg if len(msg) <= 300 else msg[:297] + "..."
