@@ -15,7 +15,7 @@ class RequestGrammar:
         import xgrammar as xgr
 
         self.spec = spec
-        self._matcher = xgr.GrammarMatcher(compiled, max_rollback_tokens=0)
+        self._matcher = xgr.GrammarMatcher(compiled)
         self.num_accepted = 0
 
     def accept(self, token: int) -> bool:
