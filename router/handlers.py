@@ -32,6 +32,7 @@ from fastapi.responses import Response
 
 from common.server.stream_cutoff import CutOffStreamingResponse
 from router.errors import ApiError, UpstreamError
+from router.grammar_check import GrammarChecker
 from router.fields import decode_json_object
 from router.native_response import CumulativeEvents, prompt_only, sse_event
 from router.openai_request import safe_rid
@@ -114,9 +115,11 @@ class GenerationHandler:
         self.metrics = router.metrics
         self.max_body = router.cfg.max_body_bytes
         self._parse_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="router-parse")
+        self.grammar_check = GrammarChecker()
 
     def close(self) -> None:
         self._parse_pool.shutdown(wait=False, cancel_futures=True)
+        self.grammar_check.close()
 
     def _parse(self, raw: bytes, content_type: str | None, api: Api, session_header: str | None) -> GenerationPlan:
         body = decode_json_object(raw, content_type)
@@ -148,6 +151,7 @@ class GenerationHandler:
                 plan = await loop.run_in_executor(self._parse_pool, self._parse, raw, ctype, api, session)
             else:
                 plan = self._parse(raw, ctype, api, session)
+            await self.grammar_check.check(plan)
         except ApiError as e:
             return self._error(route, e, rid, label)
         label = label or plan.client_rid or rid

@@ -18,7 +18,9 @@ noise of step k + j; with the same logits it samples the same tokens. Not kept a
 migration: frequency/presence penalties over the tokens before the cut (they become prompt),
 and text a worker held back at the cut for an incomplete UTF-8 character. A request with stop
 strings is never migrated (a worker holds back any tail that could start one, and a stop
-string could span the cut: its text could silently lose characters); it gets the error.
+string could span the cut: its text could silently lose characters); it gets the error. Nor is a
+constrained request (json_schema / regex / ebnf): the new pair would start its grammar over on
+a prompt that ends inside it.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from typing import Any
 
 import msgspec
 
+from common.grammar.spec import grammar_of
 from router.errors import UpstreamError
 from router.plan import GenerationPlan
 from router.upstream import WorkerEvent
@@ -66,7 +69,8 @@ class Migration:
     def allows(self, err: UpstreamError, decode_url: str) -> bool:
         return (self.count < self.budget and self.origin.worker_stream and err.retryable
                 and err.worker_url == decode_url and len(self.generated) < self.origin.max_new_tokens
-                and not self.origin.sampling_params.get("stop"))
+                and not self.origin.sampling_params.get("stop")
+                and grammar_of(self.origin.sampling_params) is None)
 
     def next_plan(self) -> GenerationPlan:
         """The plan of the next attempt; call only when `allows` said yes."""
