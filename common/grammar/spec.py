@@ -19,9 +19,9 @@ class GrammarSpec:
 
 
 def grammar_of(params: Any) -> GrammarSpec | None:
-    """The constraint of a SamplingParams(-like) record, None when it has none."""
+    """The constraint of a SamplingParams record or a sampling_params dict, None when it has none."""
     for kind in GRAMMAR_KINDS:
-        text = getattr(params, kind, None)
+        text = params.get(kind) if isinstance(params, dict) else getattr(params, kind, None)
         if text is not None:
             return GrammarSpec(kind, text)
     return None

@@ -49,3 +49,12 @@ def _first_line(e: Exception) -> str:
     text = str(e).strip().splitlines()
     msg = _SOURCE_PREFIX.sub("", text[0]) if text else type(e).__name__
     return msg if len(msg) <= 300 else msg[:297] + "..."
+
+
+def grammar_problem(kind: str, text: str) -> str | None:
+    """What is wrong with a spec (None: it parses). Picklable entry point for a checker process."""
+    try:
+        parse_grammar(GrammarSpec(kind, text))
+    except InvalidGrammar as e:
+        return str(e)
+    return None
