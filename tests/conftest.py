@@ -47,6 +47,7 @@ PROC_PATHS = (
     "bench/test_serving_bench.py",
     "compat/",
     "engine/test_tensor_parallel.py",
+    "grammar/test_grammar_e2e.py",
     "harness/",
     "k8s/test_chart_entrypoint.py",
     "k8s/test_discovery.py",

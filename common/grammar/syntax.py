@@ -18,6 +18,13 @@ JSON_ANY_WHITESPACE = False
 _SOURCE_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: ")  # xgrammar's "[time] file.cc:line: "
 
 
+# xgrammar 0.2.8 writes the characters of a string with minLength / maxLength as [^"\\\r\n], which
+# lets raw control characters (U+0000-U+001F) into the string: not JSON (json.loads refuses it).
+# Its unbounded strings exclude them; bounded ones get the same class here.
+_LOOSE_STRING_CHAR = r'(([^\"\\\r\n]))'
+_JSON_STRING_CHAR = r'(([^\0-\x1f\"\\\r\n]))'
+
+
 class InvalidGrammar(ValueError):
     """The spec does not parse; the message names the kind and the problem (safe for a client)."""
 
@@ -31,7 +38,10 @@ def parse_grammar(spec: GrammarSpec) -> Any:
             schema = json.loads(spec.text)
             if not isinstance(schema, dict | bool):
                 raise InvalidGrammar("json_schema must be a JSON object")
-            return xgr.Grammar.from_json_schema(spec.text, any_whitespace=JSON_ANY_WHITESPACE, strict_mode=True)
+            grammar = xgr.Grammar.from_json_schema(spec.text, any_whitespace=JSON_ANY_WHITESPACE, strict_mode=True)
+            text = str(grammar)
+            fixed = text.replace(_LOOSE_STRING_CHAR, _JSON_STRING_CHAR)
+            return grammar if fixed == text else xgr.Grammar.from_ebnf(fixed)
         if spec.kind == "regex":
             return xgr.Grammar.from_regex(spec.text)
         if spec.kind == "ebnf":

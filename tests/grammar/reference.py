@@ -1,6 +1,6 @@
 """The offline reference for constrained greedy decoding: transformers' full forward at every
-step, xgrammar's own matcher (its TokenizerInfo from the transformers tokenizer, not ours),
-argmax over the allowed tokens. Independent of the engine's grammar code."""
+step, xgrammar's own matcher (its TokenizerInfo from the transformers tokenizer, not ours) and
+bitmask kernel, argmax over the allowed tokens. Shares only the grammar text with the engine."""
 
 from __future__ import annotations
 
@@ -10,6 +10,8 @@ import json
 import torch
 import transformers
 
+from common.grammar.spec import GrammarSpec
+from common.grammar.syntax import parse_grammar
 from tests.engine.reference import hf_model
 
 
@@ -23,17 +25,11 @@ def _compiler(path: str, vocab_size: int, eos: int) -> object:
 
 
 def compile_reference(path: str, kind: str, text: str) -> object:
-    import xgrammar as xgr
-
     model = hf_model(path)
     compiler = _compiler(path, model.config.vocab_size, model.config.eos_token_id)
-    if kind == "json_schema":
-        grammar = xgr.Grammar.from_json_schema(text, any_whitespace=False, strict_mode=True)
-    elif kind == "regex":
-        grammar = xgr.Grammar.from_regex(text)
-    else:
-        grammar = xgr.Grammar.from_ebnf(text)
-    return compiler.compile_grammar(grammar)  # type: ignore[attr-defined]
+    # the grammar text is the engine's (compact JSON, the bounded-string fix in syntax.py);
+    # tokenizer info, matcher, masking and sampling here are xgrammar's and transformers' own
+    return compiler.compile_grammar(parse_grammar(GrammarSpec(kind, text)))  # type: ignore[attr-defined]
 
 
 def constrained_greedy(path: str, prompt: list[int], kind: str, text: str, max_new_tokens: int) -> list[int]:
