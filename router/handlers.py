@@ -32,8 +32,8 @@ from fastapi.responses import Response
 
 from common.server.stream_cutoff import CutOffStreamingResponse
 from router.errors import ApiError, UpstreamError
-from router.grammar_check import GrammarChecker
 from router.fields import decode_json_object
+from router.grammar_check import GrammarChecker
 from router.native_response import CumulativeEvents, prompt_only, sse_event
 from router.openai_request import safe_rid
 from router.openai_response import SSE_DONE, ResponseFormatter, sse

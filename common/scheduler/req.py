@@ -21,12 +21,11 @@ from __future__ import annotations
 
 import enum
 import time
-from dataclasses import dataclass, field
 from concurrent.futures import Future
+from dataclasses import dataclass, field
 from typing import Any
 
 from common.grammar.matcher import RequestGrammar
-
 from common.sampling_params import SamplingParams
 from common.scheduler.messages import BootstrapInfo, FinishReason
 
