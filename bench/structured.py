@@ -52,8 +52,9 @@ def measure(engine: Engine, work: list[tuple[list[int], str]], max_new: int, rep
     ids = [p for p, _ in work]
     schemas = [json.dumps(SCHEMAS[k]) for _, k in work]
     constrained = [{"max_new_tokens": max_new, "temperature": 0.0, "json_schema": s} for s in schemas]
-    _, outs = timed(engine, ids, constrained)  # warm-up: compiles (cached after), lengths
+    t0, outs = timed(engine, ids, constrained)  # warm-up: compiles (cached after), lengths
     lengths = [len(o["output_ids"]) for o in outs]
+    print(f"  {len(ids)} requests, {sum(lengths)} tokens constrained in {t0:.1f} s (warm-up)", flush=True)
     valid = 0
     for o, (_, kind) in zip(outs, work, strict=True):
         try:
@@ -81,7 +82,7 @@ def measure(engine: Engine, work: list[tuple[list[int], str]], max_new: int, rep
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help="one round per side, batch 16 as 8")
+    ap.add_argument("--quick", action="store_true", help="one round per side, batch 16 as 8, one schema at batch 1")
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--max-new-tokens", type=int, default=128)
     args = ap.parse_args(argv)
@@ -94,7 +95,8 @@ def main(argv: list[str] | None = None) -> None:
         for label, n in (("b1", 1), ("b16", big)):
             work = prompt_ids(engine, len(SCHEMAS) * len(PROMPTS))
             if n == 1:
-                parts = [measure(engine, [w], args.max_new_tokens, reps) for w in work[:len(SCHEMAS)]]
+                singles = work[:1] if args.quick else work[:len(SCHEMAS)]
+                parts = [measure(engine, [w], args.max_new_tokens, reps) for w in singles]
                 c = sum(p["tpot_constrained_ms"] for p in parts) / len(parts)
                 p_ = sum(p["tpot_plain_ms"] for p in parts) / len(parts)
                 r = {"tpot_constrained_ms": round(c, 2), "tpot_plain_ms": round(p_, 2), "tpot_ratio": round(c / p_, 3),
