@@ -66,15 +66,16 @@ def measure(engine: Engine, work: list[tuple[list[int], str]], max_new: int, rep
     firsts_c = [{**p, "max_new_tokens": 1} for p in constrained]
     firsts_p = [{**p, "max_new_tokens": 1} for p in plain]
     best = {"c": float("inf"), "p": float("inf"), "c1": float("inf"), "p1": float("inf")}
+    decoded = {"c": sum(lengths) - len(lengths), "p": sum(lengths) - len(lengths)}
     for _ in range(reps):
         for key, params in (("c", constrained), ("p", plain), ("c1", firsts_c), ("p1", firsts_p)):
             t, outs = timed(engine, ids, params)
-            if key == "c":
-                assert [len(o["output_ids"]) for o in outs] == lengths, "constrained greedy run changed length"
-            best[key] = min(best[key], t)
-    decoded = sum(lengths) - len(lengths)
-    tpot_c = (best["c"] - best["c1"]) / decoded
-    tpot_p = (best["p"] - best["p1"]) / decoded
+            if t < best[key]:
+                best[key] = t
+                if key == "c":  # bf16: another batch shape can flip a near-tied token, and the length
+                    decoded["c"] = sum(len(o["output_ids"]) for o in outs) - len(outs)
+    tpot_c = (best["c"] - best["c1"]) / decoded["c"]
+    tpot_p = (best["p"] - best["p1"]) / decoded["p"]
     return {"tpot_constrained_ms": round(tpot_c * 1e3, 2), "tpot_plain_ms": round(tpot_p * 1e3, 2),
             "tpot_ratio": round(tpot_c / tpot_p, 3), "valid": valid, "n": len(work),
             "mean_tokens": round(sum(lengths) / len(lengths), 1)}
