@@ -30,10 +30,10 @@ import msgspec
 from fastapi import Request
 from fastapi.responses import Response
 
+import router.grammar_check as grammar_check
 from common.server.stream_cutoff import CutOffStreamingResponse
 from router.errors import ApiError, UpstreamError
 from router.fields import decode_json_object
-from router.grammar_check import GrammarChecker
 from router.native_response import CumulativeEvents, prompt_only, sse_event
 from router.openai_request import safe_rid
 from router.openai_response import SSE_DONE, ResponseFormatter, sse
@@ -115,7 +115,7 @@ class GenerationHandler:
         self.metrics = router.metrics
         self.max_body = router.cfg.max_body_bytes
         self._parse_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="router-parse")
-        self.grammar_check = GrammarChecker()
+        self.grammar_check = grammar_check.GrammarChecker()
 
     def close(self) -> None:
         self._parse_pool.shutdown(wait=False, cancel_futures=True)
@@ -151,7 +151,10 @@ class GenerationHandler:
                 plan = await loop.run_in_executor(self._parse_pool, self._parse, raw, ctype, api, session)
             else:
                 plan = self._parse(raw, ctype, api, session)
-            await self.grammar_check.check(plan)
+        except ApiError as e:
+            return self._error(route, e, rid, label)
+        try:
+            await self.grammar_check.check(plan)  # a bad schema / regex / grammar: 400 before any worker
         except ApiError as e:
             return self._error(route, e, rid, label)
         label = label or plan.client_rid or rid
