@@ -83,12 +83,12 @@ def measure(engine: Engine, work: list[tuple[list[int], str]], max_new: int, rep
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help="one round per side, batch 16 as 8, one schema at batch 1")
+    ap.add_argument("--quick", action="store_true", help="two rounds per side, batch 16 as 8, one schema at batch 1")
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--max-new-tokens", type=int, default=128)
     args = ap.parse_args(argv)
     load_start = os.getloadavg()[0]
-    reps, big = (1, 8) if args.quick else (2, 16)
+    reps, big = (2, 8) if args.quick else (3, 16)
     engine = Engine(resolve_model_path(None), dtype=args.dtype, page_size=16, max_running_requests=big,
                     max_total_tokens=65536, chunked_prefill_size=512)
     try:
