@@ -38,6 +38,25 @@ def test_unpack_matches_xgrammar_kernel(vocab: int) -> None:
     assert torch.equal(got, want)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_step_mask_on_cuda_matches_cpu(engine: Engine) -> None:
+    """The worker's path on a GPU: the CPU-filled bitmask applied to CUDA logits, a subset of rows."""
+    from common.grammar.mask import StepGrammarMask
+
+    backend = engine.scheduler.grammar_queue.backend  # type: ignore[union-attr]
+    spec = GrammarSpec("regex", CONSTRAINTS["regex"])
+    grammars = [backend.matcher(spec, backend.get(spec).result(timeout=60)) for _ in range(2)]
+    vocab = backend.vocab_size
+    logits = torch.randn(4, vocab)
+    on_gpu = logits.cuda()
+    for target in (logits, on_gpu):
+        mask = StepGrammarMask([1, 3], grammars, vocab)
+        mask.fill()
+        mask.apply(target)
+    assert torch.equal(on_gpu.cpu(), logits)
+    assert torch.isinf(logits[1]).sum() > 0 and not torch.isinf(logits[0]).any()
+
+
 def _req(engine: Engine, rid: str, prompt: list[int], **params: object) -> Req:
     sp = SamplingParams(max_new_tokens=24, temperature=0.0, **params)  # type: ignore[arg-type]
     return Req(rid=rid, origin_input_ids=prompt, sampling_params=sp, eos_token_ids=engine.eos_token_ids)
