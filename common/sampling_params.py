@@ -35,6 +35,9 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     json_schema: str | None = None
     regex: str | None = None
     ebnf: str | None = None
+    # the prompt's last N tokens were generated under that constraint (a request the router migrated
+    # to a new pair after a decode failure): they are replayed into the matcher before sampling
+    grammar_prefix_len: int = 0
 
     @property
     def is_greedy(self) -> bool:
@@ -84,6 +87,10 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
         from common.grammar.spec import check_grammar_fields
 
         check_grammar_fields(self)
+        if self.grammar_prefix_len < 0:
+            bad(f"grammar_prefix_len must be >= 0, got {self.grammar_prefix_len}")
+        if self.grammar_prefix_len and self.json_schema is None and self.regex is None and self.ebnf is None:
+            bad("grammar_prefix_len needs json_schema, regex or ebnf")
         if vocab_size is not None:
             for t in self.stop_token_ids:
                 if not (0 <= t < vocab_size):

@@ -57,6 +57,7 @@ class SamplingParamsRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=
     json_schema: str | None = None
     regex: str | None = None
     ebnf: str | None = None
+    grammar_prefix_len: int | None = None  # not SGLang's: set by the router on a migrated request
     structural_tag: str | None = None
     spaces_between_special_tokens: bool | None = None
     logit_bias: dict[str, float] | None = None

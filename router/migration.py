@@ -18,9 +18,9 @@ noise of step k + j; with the same logits it samples the same tokens. Not kept a
 migration: frequency/presence penalties over the tokens before the cut (they become prompt),
 and text a worker held back at the cut for an incomplete UTF-8 character. A request with stop
 strings is never migrated (a worker holds back any tail that could start one, and a stop
-string could span the cut: its text could silently lose characters); it gets the error. Nor is a
-constrained request (json_schema / regex / ebnf): the new pair would start its grammar over on
-a prompt that ends inside it.
+string could span the cut: its text could silently lose characters); it gets the error. A
+constrained request (json_schema / regex / ebnf) carries grammar_prefix_len = the tokens already
+generated: both new instances replay them into their matchers before sampling.
 """
 
 from __future__ import annotations
@@ -69,8 +69,7 @@ class Migration:
     def allows(self, err: UpstreamError, decode_url: str) -> bool:
         return (self.count < self.budget and self.origin.worker_stream and err.retryable
                 and err.worker_url == decode_url and len(self.generated) < self.origin.max_new_tokens
-                and not self.origin.sampling_params.get("stop")
-                and grammar_of(self.origin.sampling_params) is None)
+                and not self.origin.sampling_params.get("stop"))
 
     def next_plan(self) -> GenerationPlan:
         """The plan of the next attempt; call only when `allows` said yes."""
@@ -81,6 +80,8 @@ class Migration:
         sampling["max_new_tokens"] = o.max_new_tokens - self._offset
         if sampling.get("seed") is not None:
             sampling["seed"] = shifted_seed(int(o.sampling_params["seed"]), self._offset)
+        if grammar_of(sampling) is not None:  # the new pair's matchers replay the output so far
+            sampling["grammar_prefix_len"] = int(o.sampling_params.get("grammar_prefix_len") or 0) + self._offset
         if "min_new_tokens" in sampling:
             sampling["min_new_tokens"] = max(0, int(sampling["min_new_tokens"] or 0) - self._offset)
         self.plan = dataclasses.replace(o, input_ids=[*o.input_ids, *self.generated], sampling_params=sampling,

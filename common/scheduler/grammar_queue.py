@@ -62,6 +62,11 @@ class GrammarQueue:
             assert spec is not None
             try:
                 req.grammar = self.backend.matcher(spec, fut.result())
+                problem = _replay_prompt_tail(req)
+                if problem is not None:
+                    req.grammar = None
+                    out.append(GrammarOutcome(req, problem))
+                    continue
             except InvalidGrammar as e:
                 out.append(GrammarOutcome(req, str(e)))
                 continue
@@ -70,3 +75,18 @@ class GrammarQueue:
                 continue
             out.append(GrammarOutcome(req))
         return out
+
+
+def _replay_prompt_tail(req: Req) -> str | None:
+    """A migrated request: its prompt ends with the output generated so far, which its grammar
+    accepts before the first new token (None), or the problem."""
+    k = req.sampling_params.grammar_prefix_len
+    if k == 0:
+        return None
+    assert req.grammar is not None
+    if k >= len(req.origin_input_ids):
+        return f"grammar_prefix_len {k} must be less than the prompt's {len(req.origin_input_ids)} tokens"
+    for i, token in enumerate(req.origin_input_ids[-k:]):
+        if not req.grammar.accept(token):
+            return f"prompt token {len(req.origin_input_ids) - k + i} ({token}) is not allowed by the request's {req.grammar.spec.kind}"
+    return None
