@@ -25,6 +25,7 @@ import torch
 from common.cache import PageAllocator, RadixCache, ReqToTokenPool
 from common.cache.kv_pool import KVPool
 from common.cluster_secret import ClusterSecret
+from common.grammar.backend import GrammarBackend
 from common.model.config import ModelConfig, resolve_dtype
 from common.model.default_model import resolve_model_path
 from common.model.device import on_device_thread, resolve_device, use_device
@@ -52,6 +53,7 @@ from common.scheduler.tp_worker import TPLeaderWorker
 from common.server.kv_event_publisher import KVEventPublisher
 from common.server.server_args import ServerArgs
 from common.server.tp_ranks import TPRanks, init_tp_group, set_rank_threads
+from common.tokenizer_loading import load_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -100,6 +102,8 @@ class EngineCore:
     def shutdown(self) -> None:
         """The engine first (no step may still read or write KV), then the transfer manager."""
         self.executor.shutdown()
+        if self.scheduler.grammar_queue is not None:
+            self.scheduler.grammar_queue.backend.shutdown()
         if self.transfer is not None:
             self.transfer.service.shutdown()
         if self.kv_events is not None:
@@ -335,6 +339,10 @@ def _build_engine_core(
         SchedulerParts(cfg=cfg, executor=executor, kv=kv, kv_pool=kv_pool, future_capacity=rw.future_capacity,
                        output=output, kv_link=tp_ranks.addrs.kv_link if tp_ranks is not None else "")
     )
+    if args.grammar_backend == "xgrammar":
+        tokenizer_path = args.tokenizer_path or rw.model_path
+        built.scheduler.attach_grammar_backend(GrammarBackend(
+            lambda: load_tokenizer(tokenizer_path), config.vocab_size, list(config.eos_token_ids)))
     return EngineCore(
         args=args, model_path=rw.model_path, model_config=config, kv_pool=kv_pool, role=role,
         scheduler=built.scheduler, transfer=built.transfer, executor=executor, runner=runner, kv_events=kv_events,

@@ -31,6 +31,13 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     no_stop_trim: bool = False  # keep a matched stop string in the output text
+    # structured output (at most one; common/grammar): the text of a JSON schema, a regex, an EBNF grammar
+    json_schema: str | None = None
+    regex: str | None = None
+    ebnf: str | None = None
+    # the prompt's last N tokens were generated under that constraint (a request the router migrated
+    # to a new pair after a decode failure): they are replayed into the matcher before sampling
+    grammar_prefix_len: int = 0
 
     @property
     def is_greedy(self) -> bool:
@@ -77,6 +84,13 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
             bad(f"stop strings must be at most {MAX_STOP_STRING_CHARS} characters")
         if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
             bad(f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids")
+        from common.grammar.spec import check_grammar_fields
+
+        check_grammar_fields(self)
+        if self.grammar_prefix_len < 0:
+            bad(f"grammar_prefix_len must be >= 0, got {self.grammar_prefix_len}")
+        if self.grammar_prefix_len and self.json_schema is None and self.regex is None and self.ebnf is None:
+            bad("grammar_prefix_len needs json_schema, regex or ebnf")
         if vocab_size is not None:
             for t in self.stop_token_ids:
                 if not (0 <= t < vocab_size):

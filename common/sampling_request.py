@@ -4,7 +4,7 @@ The one wire type for sampling parameters (the OpenAPI schemas are generated fro
 - keys this engine honours are mapped onto SamplingParams (`sampling_seed` is SGLang's name of
   `seed`; JSON null means "the default", as in SGLang);
 - keys it cannot honour are accepted at their default value and refused with a ValueError
-  naming the key otherwise (e.g. `sampling_params.regex`);
+  naming the key otherwise (e.g. `sampling_params.stop_regex`);
 - unknown keys are refused by name (msgspec's forbid_unknown_fields).
 """
 
@@ -22,9 +22,6 @@ UNSUPPORTED_UNLESS: dict[str, tuple[Any, ...]] = {
     "min_new_tokens": (None, 0),
     "n": (None, 1),
     "beam_width": (None, 1),
-    "json_schema": (None,),
-    "regex": (None,),
-    "ebnf": (None,),
     "structural_tag": (None,),
     "spaces_between_special_tokens": (None, True),
     "logit_bias": (None, {}),
@@ -60,6 +57,7 @@ class SamplingParamsRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=
     json_schema: str | None = None
     regex: str | None = None
     ebnf: str | None = None
+    grammar_prefix_len: int | None = None  # not SGLang's: set by the router on a migrated request
     structural_tag: str | None = None
     spaces_between_special_tokens: bool | None = None
     logit_bias: dict[str, float] | None = None

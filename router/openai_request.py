@@ -15,6 +15,7 @@ from typing import Any
 
 import msgspec
 
+from common.grammar.spec import JSON_OBJECT_SCHEMA
 from common.sampling_params import SamplingParams
 from kv_transfer.aux_format import MAX_TOP_LOGPROBS
 from router.errors import ApiError, bad_request
@@ -69,9 +70,6 @@ class RequestParser:
         for unsupported in ("tools", "functions", "tool_choice", "function_call", "audio", "prediction"):
             if body.get(unsupported) not in (None, [], "none"):
                 raise bad_request(f"'{unsupported}' is not supported", unsupported)
-        fmt = body.get("response_format")
-        if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type") != "text"):
-            raise bad_request("only response_format {'type': 'text'} is supported", "response_format")
         ids = self.model.apply_chat_template(self._messages(body.get("messages")))
         self._check_prompt_len(ids, "messages")
         max_tokens = get_int(body, "max_completion_tokens", None, lo=1)
@@ -183,6 +181,7 @@ class RequestParser:
                                                  allow_empty=True)
         if body.get("logit_bias"):
             raise bad_request("'logit_bias' is not supported", "logit_bias")
+        sp.update(response_format(body.get("response_format")))
         return self._validated(sp)
 
     def _validated(self, sp: dict[str, Any]) -> dict[str, Any]:
@@ -205,6 +204,27 @@ class RequestParser:
             return_logprob=logprobs is not None, top_logprobs_num=logprobs or 0,
             logprobs_mode=mode if logprobs is not None else "none",
         )
+
+
+def response_format(fmt: Any) -> dict[str, str]:
+    """OpenAI's response_format -> the sampling param that constrains the output (SGLang's mapping:
+    json_object is the schema {"type": "object"}); the schema itself is checked by the router's
+    GrammarChecker."""
+    if fmt is None:
+        return {}
+    kind = fmt.get("type") if isinstance(fmt, dict) else None
+    if kind == "text":
+        return {}
+    if kind == "json_object":
+        return {"json_schema": JSON_OBJECT_SCHEMA}
+    if kind == "json_schema":
+        spec = fmt.get("json_schema")
+        schema = spec.get("schema", spec.get("schema_")) if isinstance(spec, dict) else None
+        if not isinstance(schema, dict | bool):
+            raise bad_request("response_format.json_schema.schema must be a JSON schema object",
+                              "response_format.json_schema.schema")
+        return {"json_schema": msgspec.json.encode(schema).decode()}
+    raise bad_request("response_format.type must be one of text, json_object, json_schema", "response_format.type")
 
 
 def _text_content(content: Any, where: str) -> str:

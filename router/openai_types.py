@@ -51,6 +51,7 @@ class CompletionRequest(SamplingFields, kw_only=True):
     logprobs: int | None = None
     best_of: int | None = None
     suffix: str | None = None
+    response_format: dict[str, Any] | None = None  # as on chat (router/openai_request.py response_format)
 
 
 class ChatMessage(msgspec.Struct, kw_only=True):

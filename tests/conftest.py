@@ -49,6 +49,8 @@ PROC_PATHS = (
     "bench/test_soak.py",
     "compat/",
     "engine/test_tensor_parallel.py",
+    "grammar/test_grammar_e2e.py",
+    "grammar/test_grammar_real_model.py",
     "harness/",
     "k8s/test_chart_entrypoint.py",
     "k8s/test_discovery.py",

@@ -29,6 +29,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Generic, Protocol, TypeVar
 
+from common.grammar.mask import StepGrammarMask
 from common.model.device_streams import READY, HostCopy, StepEvent
 from common.model.forward_batch import ForwardMode
 from common.sampling_params import SamplingParams
@@ -70,6 +71,9 @@ class WorkerBatch:
     samples: list[bool] = field(default_factory=list)  # False: a non-final prompt chunk, no token kept
     slot_writes: list[SlotWrite] = field(default_factory=list)
     step_id: int = 0
+    # structured output: applied to the sampled rows' logits before sampling (rank 0 only: TP
+    # followers sample unmasked and take rank 0's tokens); never sent over the wire
+    grammar_mask: StepGrammarMask | None = None
 
     def extend_lens_cumsum(self) -> list[int]:
         """End (exclusive) of each request's tokens in input_ids."""
@@ -136,12 +140,18 @@ class StepHandle(Protocol):
 
 
 class Executor(Protocol):
+    # True when steps run on a thread of their own: a step may then wait inside the worker for
+    # the scheduler (its grammar mask), which processes the step before it meanwhile
+    worker_thread: bool
+
     def submit(self, batch: WorkerBatch) -> StepHandle: ...
 
     def shutdown(self) -> None: ...
 
 
 class SyncExecutor:
+    worker_thread = False
+
     def __init__(self, worker: ModelWorker) -> None:
         self.worker = worker
 
@@ -183,6 +193,8 @@ class LaunchExecutor(Generic[L]):
     runs. on_thread_start (the worker's device and stream) runs once on each thread that submits
     (one at a time: the scheduler is not thread-safe)."""
 
+    worker_thread = False
+
     def __init__(self, worker: SplitWorker[L], *, on_thread_start: Callable[[], None] | None = None) -> None:
         self.worker = worker
         self._on_start = on_thread_start
@@ -206,6 +218,8 @@ class LaunchExecutor(Generic[L]):
 
 
 class ThreadExecutor:
+    worker_thread = True
+
     def __init__(self, worker: ModelWorker, *, on_thread_start: Callable[[], None] | None = None) -> None:
         self.worker = worker
         self._queue: queue.SimpleQueue[tuple[WorkerBatch, Future[StepResult]] | None] = queue.SimpleQueue()

@@ -102,7 +102,10 @@ class TorchModelWorker:
         everyone = len(keep) == n
         index, future = self.streams.stage([keep, [batch.future_indices[i] for i in keep]], torch.int64)
         info = self._sampling_info(rows)
-        out = self.sampler.sample(logits if everyone else logits[index], info)
+        kept_logits = logits if everyone else logits[index]
+        if batch.grammar_mask is not None:
+            batch.grammar_mask.apply(kept_logits)  # waits for the scheduler's fill (overlap loop)
+        out = self.sampler.sample(kept_logits, info)
         self.runner.tp.broadcast_(out.next_token_ids)  # TP: every rank feeds rank 0's tokens back
         self.future_tokens[future] = out.next_token_ids
         wanted = [out.next_token_ids]

@@ -21,9 +21,11 @@ from __future__ import annotations
 
 import enum
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
+from common.grammar.matcher import RequestGrammar
 from common.sampling_params import SamplingParams
 from common.scheduler.messages import BootstrapInfo, FinishReason
 
@@ -77,6 +79,9 @@ class Req:
     sent_len: int = 0
     retractions: int = 0
     needs_sampler_reset: bool = False
+    # structured output: the compile this request waits for, then its matcher (common/grammar)
+    grammar_future: Future[Any] | None = None
+    grammar: RequestGrammar | None = None
 
     @property
     def kv_len(self) -> int:

@@ -21,10 +21,14 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from common.grammar.backend import GrammarBackend
+from common.grammar.mask import StepGrammarMask
+from common.grammar.spec import grammar_of
 from common.model.device_streams import StepEvent
 from common.model.forward_batch import ForwardMode
 from common.scheduler.config import SchedulerConfig
 from common.scheduler.executor import Executor, FutureIndexAllocator, PromptLogprobs, StepHandle, StepResult
+from common.scheduler.grammar_queue import GrammarQueue
 from common.scheduler.kv_manager import ReqKVManager
 from common.scheduler.messages import FinishReason, TokenOut
 from common.scheduler.new_token_ratio import NewTokenRatioTracker
@@ -96,13 +100,38 @@ class Scheduler:
         self.step_seconds = 0.0  # wall time of steps, forwards included (the measured prefill rate's clock)
         self.wait_seconds = 0.0
         self.num_steps = 0
+        # structured output (attach_grammar_backend): compiles waited for, masks to fill after a step
+        self.grammar_queue: GrammarQueue | None = None
+        self._unfilled_masks: list[StepGrammarMask] = []
+        self.num_grammar_rejections = 0
+        self.num_grammar_terminations = 0
+
+    def attach_grammar_backend(self, backend: GrammarBackend) -> None:
+        """--grammar-backend xgrammar: constrained requests are served (without one they get 400)."""
+        self.grammar_queue = GrammarQueue(backend)
 
     # ---- requests in ------------------------------------------------------------------------
     def add_request(self, req: Req) -> None:
         self.validate_request(req)
         self.reqs[req.rid] = req
         self._idle_checked = False
+        if grammar_of(req.sampling_params) is not None and req.grammar is None:
+            assert self.grammar_queue is not None
+            self.grammar_queue.add(req)  # enqueued once compiled (poll_grammars)
+            self.poll_grammars()
+            return
         self.enqueue(req)
+
+    def poll_grammars(self) -> None:
+        """Enqueue the requests whose grammar compiled; fail those whose compile failed."""
+        if not self.grammar_queue:
+            return
+        for done in self.grammar_queue.pop_done():
+            if done.error is not None:
+                self._finish(done.req, FinishReason("abort", message=done.error, status_code=done.status_code,
+                                                    err_type="invalid_grammar" if done.status_code == 400 else None))
+            else:
+                self.enqueue(done.req)
 
     def enqueue(self, req: Req) -> None:
         """Where a validated request starts (roles: bootstrap / prealloc queues)."""
@@ -119,6 +148,9 @@ class Scheduler:
         capacity = self.kv.allocator.num_usable * self.kv.page_size
         if n + 1 > capacity:
             raise RequestRejected(f"the prompt needs {n + 1} KV slots; this instance holds {capacity}")
+        if grammar_of(req.sampling_params) is not None and self.grammar_queue is None:
+            raise RequestRejected("structured output (json_schema / regex / ebnf) is off on this instance "
+                                  "(--grammar-backend none)")
 
     def abort(self, rid: str, reason: str = "aborted", status_code: int = 499) -> bool:
         req = self.reqs.get(rid)
@@ -135,7 +167,7 @@ class Scheduler:
     @property
     def has_work(self) -> bool:
         """Anything not finished (roles add requests waiting on transfers)."""
-        return self.has_runnable_work
+        return self.has_runnable_work or bool(self.grammar_queue)
 
     # ---- the loop ---------------------------------------------------------------------------
     def step(self) -> None:
@@ -155,6 +187,11 @@ class Scheduler:
             self._resolve_in_flight()
         else:
             if batch.is_extend and self.in_flight is not None and self.in_flight.batch.is_extend:
+                self._resolve_in_flight()
+            mask = batch.worker_batch.grammar_mask
+            if mask is not None and not mask.ready and not self.executor.worker_thread:
+                # One thread launches and samples: constrained rows need the step in flight's
+                # tokens accepted before this launch (a worker thread waits for the fill instead).
                 self._resolve_in_flight()
             previous = self.in_flight
             self.in_flight = None
@@ -191,6 +228,7 @@ class Scheduler:
 
     # ---- scheduling -------------------------------------------------------------------------
     def get_next_batch(self) -> ScheduleBatch | None:
+        self.poll_grammars()
         self.running = [r for r in self.running if not r.finished]
         batch = self._get_prefill_batch()
         if batch is not None:
@@ -349,9 +387,36 @@ class Scheduler:
     ) -> ScheduleBatch:
         self.step_id += 1
         futures = self.futures.take(len(reqs))
-        return BatchBuilder.build(
+        batch = BatchBuilder.build(
             mode, reqs, lens, samples, futures, self.kv.take_pending_writes(), self.step_id, num_prefill_reqs
         )
+        batch.worker_batch.grammar_mask = self._grammar_mask(reqs, samples)
+        return batch
+
+    def _grammar_mask(self, reqs: list[Req], samples: list[bool]) -> StepGrammarMask | None:
+        """The step's mask over its constrained sampled rows; filled now when every such row's
+        tokens are known, else right after the step in flight is processed."""
+        if self.grammar_queue is None:
+            return None
+        rows, grammars, settled = [], [], True
+        for k, req in enumerate(r for r, s in zip(reqs, samples, strict=True) if s):
+            if req.grammar is not None:
+                rows.append(k)
+                grammars.append(req.grammar)
+                settled = settled and req.num_pending <= 1  # only this step's token is outstanding
+        if not rows:
+            return None
+        mask = StepGrammarMask(rows, grammars, self.grammar_queue.backend.vocab_size)
+        if settled:
+            mask.fill()
+        else:
+            self._unfilled_masks.append(mask)
+        return mask
+
+    def _fill_masks(self) -> None:
+        masks, self._unfilled_masks = self._unfilled_masks, []
+        for mask in masks:
+            mask.fill()
 
     # ---- results ----------------------------------------------------------------------------
     def _process(self, inflight: InFlight) -> None:
@@ -382,17 +447,43 @@ class Scheduler:
                 req.output_logprobs.append(result.logprobs[i])
                 if result.top_logprobs is not None:
                     req.output_top_logprobs.append(result.top_logprobs[i])
+            if req.grammar is not None and not self.accept_grammar_token(req, token):
+                continue
             if batch.is_prompt(i) and self.on_prompt_computed(req, result.done):
                 continue
-            reason = req.check_finished(token)
+            reason = self.finish_reason_after(req, token)
             if reason is not None:
                 self._finish(req, reason)
             elif req.stream:
                 self._emit(req)
+        self._fill_masks()
+
+    def accept_grammar_token(self, req: Req, token: int) -> bool:
+        """Advance req's grammar by its newest token; a token the grammar rejects ends the request
+        with an error (never silently: the output so far is sent with it)."""
+        assert req.grammar is not None
+        if req.grammar.accept(token):
+            return True
+        self.num_grammar_rejections += 1
+        self._finish(req, FinishReason(
+            "abort", status_code=500, err_type="grammar_rejected",
+            message=f"token {token} at output position {len(req.output_ids) - 1} is not allowed by the request's "
+                    f"{req.grammar.spec.kind}"))
+        return False
+
+    def finish_reason_after(self, req: Req, token: int) -> FinishReason | None:
+        """check_finished, and "stop" once a grammar has accepted its end."""
+        reason = req.check_finished(token)
+        if reason is None and req.grammar is not None and req.grammar.is_terminated:
+            self.num_grammar_terminations += 1
+            reason = FinishReason("stop", matched_token=token)
+        return reason
 
     def _finish(self, req: Req, reason: FinishReason) -> None:
         req.finish_reason = reason
         req.state = ReqState.FINISHED
+        if self.grammar_queue is not None:
+            self.grammar_queue.remove(req)
         if req in self.waiting:
             self.waiting.remove(req)
         if self.chunked is req:
@@ -441,6 +532,7 @@ class Scheduler:
         """End of a loop iteration: send outputs produced outside a step (e.g. by transfer polls)
         and free deferred pages when no step is in flight (a request that finished without a
         step, e.g. on its first token in PD decode, would otherwise hold them until the next one)."""
+        self.poll_grammars()
         if self.in_flight is None:
             self.kv.free_deferred()
         self._flush_outbox()
@@ -464,6 +556,11 @@ class Scheduler:
             "cache_hit_rate": self.num_cached_prompt_tokens / max(1, self.num_prompt_tokens + self.num_cached_prompt_tokens),
         }
         s.update(self.kv.stats())
+        if self.grammar_queue is not None:
+            s.update(self.grammar_queue.backend.stats())
+            s["num_grammar_queue_reqs"] = float(len(self.grammar_queue))
+            s["grammar_rejections_total"] = float(self.num_grammar_rejections)
+            s["grammar_terminations_total"] = float(self.num_grammar_terminations)
         return s
 
 

@@ -11,6 +11,7 @@ as one typed msgspec message, sent once per step; torch.distributed carries only
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable
@@ -99,7 +100,7 @@ class TPLeaderWorker:
         return self.collect(self.launch(batch))
 
     def launch(self, batch: WorkerBatch) -> LaunchedStep:
-        self.fanout.send(TPStep(batch))
+        self.fanout.send(TPStep(dataclasses.replace(batch, grammar_mask=None) if batch.grammar_mask else batch))
         return self.worker.launch(batch)
 
     def collect(self, launched: LaunchedStep) -> StepResult:

@@ -30,6 +30,7 @@ DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 OVERLAP_WORKER_THREADS = ("auto", "on", "off")
+GRAMMAR_BACKENDS = ("xgrammar", "none")
 
 
 @dataclass(frozen=True)
@@ -82,6 +83,7 @@ class ServerArgs:
     quantization: str | None = None
     cpu_prefill_row_bucket: int = 64
     random_seed: int | None = None
+    grammar_backend: str = "xgrammar"
     # Prefill/decode disaggregation
     disaggregation_mode: str = "null"
     disaggregation_bootstrap_port: int = 8998
@@ -121,6 +123,7 @@ class ServerArgs:
             "dtype": DTYPES,
             "log_level": LOG_LEVELS,
             "overlap_worker_thread": OVERLAP_WORKER_THREADS,
+            "grammar_backend": GRAMMAR_BACKENDS,
         }
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
@@ -314,6 +317,8 @@ _HELP: dict[str, str] = {
     "cpu_prefill_row_bucket": "CPU: prefill forwards pad each linear's rows to a power of two below this, a "
     "multiple of it above, so oneDNN builds a bounded set of GEMM shapes (0: off; README, prefill memory)",
     "random_seed": "seed for sampling",
+    "grammar_backend": "structured output (json_schema / regex / ebnf, response_format): xgrammar, or none to "
+    "refuse constrained requests with 400 (SGLang's flag)",
     "disaggregation_mode": "null (colocated), prefill or decode",
     "disaggregation_bootstrap_port": "prefill's bootstrap server port",
     "disaggregation_transfer_backend": "KV transfer backend",
@@ -362,6 +367,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "dtype": DTYPES,
         "log_level": LOG_LEVELS,
         "overlap_worker_thread": OVERLAP_WORKER_THREADS,
+        "grammar_backend": GRAMMAR_BACKENDS,
     }
     for field in dataclasses.fields(ServerArgs):
         default = field.default

@@ -59,7 +59,7 @@ def test_cumulative_stream_ends_with_the_full_answer(cluster: Cluster, where: st
 @pytest.mark.parametrize("where", ["router", "colocated"])
 @pytest.mark.parametrize(("field", "value"), [
     ("lora_path", "my-adapter"), ("image_data", "http://x/cat.png"), ("return_hidden_states", True),
-    ("custom_logit_processor", "x"), ("session_params", {"id": "s"}), ("sampling_params.regex", "a+"),
+    ("custom_logit_processor", "x"), ("session_params", {"id": "s"}), ("sampling_params.stop_regex", "a+"),
     ("sampling_params.n", 2), ("sampling_params.min_new_tokens", 3), ("bogus_field", 1),
 ])
 def test_unsupported_values_are_refused_by_name(cluster: Cluster, where: str, field: str, value: Any) -> None:
