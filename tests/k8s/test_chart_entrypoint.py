@@ -4,6 +4,7 @@ mounted Secret files into the router's own environment, so they work and are on 
 from __future__ import annotations
 
 import os
+import secrets
 import sys
 from pathlib import Path
 
@@ -25,7 +26,7 @@ def test_router_entrypoint_reads_keys_from_the_mounted_files(tiny_llama_path: st
     assert command[:2] == ["/bin/sh", "-c"]
     keys = tmp_path / "secrets"  # what the kubelet mounts from the Secret
     keys.mkdir()
-    for name, value in (("api-key", API_KEY), ("admin-api-key", ADMIN_KEY), ("cluster-secret", "c" * 48)):
+    for name, value in (("api-key", API_KEY), ("admin-api-key", ADMIN_KEY), ("cluster-secret", secrets.token_hex(24))):
         (keys / name).write_text(value)
     script = command[2].replace("/etc/pdserve/secrets", str(keys))
     port = free_port()
