@@ -41,6 +41,8 @@ class ClusterAuth:
                           "missing cluster credentials" if value is None else "wrong or expired cluster credentials")
             return
         body = await _read_body(receive)
+        if isinstance(body, _Gone):
+            return  # the client left before its body arrived
         if body is None:
             await _refuse(send, 413, f"request body is larger than {MAX_BODY_BYTES} bytes")
             return
@@ -53,13 +55,17 @@ class ClusterAuth:
         await self.app(scope, _replay(body, receive), send)
 
 
-async def _read_body(receive: Any) -> bytes | None:
-    """The whole body; None past MAX_BODY_BYTES (or when the client left)."""
+class _Gone:
+    pass
+
+
+async def _read_body(receive: Any) -> bytes | _Gone | None:
+    """The whole body; None past MAX_BODY_BYTES; _Gone when the client disconnected."""
     parts, size = [], 0
     while True:
         message = await receive()
         if message["type"] != "http.request":
-            return None
+            return _Gone()
         chunk = message.get("body", b"")
         size += len(chunk)
         if size > MAX_BODY_BYTES:
