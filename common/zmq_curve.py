@@ -1,13 +1,15 @@
 """Who may talk on the cluster's ZMQ channels: CURVE keyed by the cluster secret.
 
-    sec = CurveSecurity(ctx, secret, max_msg_bytes)   # secret None: plain ZMQ (loopback)
+    sec = CurveSecurity(ctx, keys, max_msg_bytes)     # keys (one channel's CurveKeys) None: plain ZMQ
     sec.serve(sock)      # the binding side (prefill's bootstrap ROUTER, an instance's KV events
                          # PUB): CURVE server; ZAP admits only the cluster's client key
     sec.connect(sock)    # the connecting side (decode's DEALER, the router's KV events SUB):
                          # CURVE client that knows the server key
     sec.close()
 
-Both key pairs derive from the secret (common.cluster_secret). A decode's DEALER sends
+Each channel's key pairs derive from the secret (common.cluster_secret): the bootstrap's
+from secret.curve(), the KV events' from secret.events_curve() (the router holds only their
+client pair). A decode's DEALER sends
 nothing, its queued Register included, until the CURVE handshake proved that the other
 end holds the server's secret key: a fake prefill named by a request's bootstrap_host
 completes no handshake and learns nothing. Prefill's ZAP handler admits only a client
@@ -23,7 +25,7 @@ import hmac
 import zmq
 from zmq.auth.thread import ThreadAuthenticator
 
-from common.cluster_secret import ClusterSecret, CurveKeys
+from common.cluster_secret import CurveKeys
 
 RECV_HWM = 256  # messages ZMQ queues per peer before that peer's own sends back up (they never block: see send_nowait)
 
@@ -37,9 +39,9 @@ class _ClusterClients:
 
 
 class CurveSecurity:
-    def __init__(self, ctx: zmq.Context, secret: ClusterSecret | None, max_msg_bytes: int) -> None:
+    def __init__(self, ctx: zmq.Context, keys: CurveKeys | None, max_msg_bytes: int) -> None:
         self.ctx = ctx
-        self.keys: CurveKeys | None = secret.curve() if secret is not None else None
+        self.keys = keys
         self.max_msg_bytes = max_msg_bytes
         self._auth: ThreadAuthenticator | None = None
 
@@ -56,6 +58,7 @@ class CurveSecurity:
         self._limits(sock)
         if self.keys is None:
             return
+        assert self.keys.server_secret, "bug: serving a channel whose server key this process does not hold"
         if self._auth is None:
             self._auth = ThreadAuthenticator(self.ctx)
             self._auth.start()

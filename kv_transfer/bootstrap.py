@@ -22,7 +22,7 @@ def query_bootstrap(host: str, port: int, timeout_s: float = 2.0, secret: Cluste
     ctx: zmq.Context = zmq.Context.instance()
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
-    CurveSecurity(ctx, secret, TransferConfig.max_msg_bytes).connect(sock)
+    CurveSecurity(ctx, secret.curve() if secret else None, TransferConfig.max_msg_bytes).connect(sock)
     try:
         sock.connect(f"tcp://{host}:{port}")
         sock.send(encode(InfoQuery()), flags=zmq.NOBLOCK)

@@ -84,7 +84,8 @@ class KVManager:
             HeadSlice(args.kv_head_start, layout.num_kv_heads, args.kv_buffer.data_ptr(), self.endpoint.kv_device),
             *(HeadSlice(h.head_start, layout.num_kv_heads, h.bases[0], h.kv_device) for h in hellos),
         ]
-        self.security = CurveSecurity(self._ctx, args.cluster_secret, self.cfg.max_msg_bytes)
+        self.security = CurveSecurity(self._ctx, args.cluster_secret.curve() if args.cluster_secret else None,
+                                     self.cfg.max_msg_bytes)
         self._poller = zmq.Poller()
         self._cmds: queue.SimpleQueue[object] = queue.SimpleQueue()
         self._wake_r, self._wake_w = os.pipe()

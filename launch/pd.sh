@@ -38,10 +38,11 @@ Model and instances:
                           holding KEY, SECRET, TOKEN, PASSWORD or CREDENTIAL is a secret: it
                           reaches the roles through <log dir>/role_secrets.env (0600), never a
                           command line. The keys and the cluster secret below are refused here
-  --cluster-secret-file F the cluster secret every role proves (router -> worker HTTP, KV
-                          bootstrap). Default: $PDSERVE_CLUSTER_SECRET if set, else 32 random
-                          bytes per launch. Written 0600 to <log dir>/cluster_secret on every
-                          host (over the exec prefix's stdin, never on a command line)
+  --cluster-secret-file F the cluster secret (>= 32 random bytes) every instance proves (router ->
+                          worker HTTP MACs, KV bootstrap). Default: $PDSERVE_CLUSTER_SECRET if set,
+                          else 32 random bytes per launch. Written 0600 to <log dir>/cluster_secret
+                          on every instance host (over the exec prefix's stdin, never on a command
+                          line); the router gets only keys derived from it, <log dir>/router_keys
   --api-key-file F        the key clients must send to the router (default: $PDSERVE_API_KEY;
                           unset: open). Only the router gets it, as <log dir>/api_key (0600)
   --admin-api-key-file F  the router's /workers key (default: $PDSERVE_ADMIN_API_KEY; unset:
@@ -158,7 +159,7 @@ if [[ -z $PY ]]; then
 fi
 LOG_DIR=${LOG_DIR:-logs/pd-$(date +%Y%m%d-%H%M%S)-$$}
 [[ $LOG_DIR == /* ]] || LOG_DIR=$PWD/$LOG_DIR
-SECRET_FILE=$LOG_DIR/cluster_secret API_KEY_FILE="" ADMIN_KEY_FILE="" SECRET_ENV_FILE=""
+SECRET_FILE=$LOG_DIR/cluster_secret ROUTER_KEYS_FILE=$LOG_DIR/router_keys API_KEY_FILE="" ADMIN_KEY_FILE="" SECRET_ENV_FILE=""
 KEY_VARS=" PDSERVE_CLUSTER_SECRET PDSERVE_API_KEY PDSERVE_ADMIN_API_KEY "
 for kv in "${ROLE_ENV[@]}"; do
     [[ $KEY_VARS != *" ${kv%%=*} "* ]] \
@@ -399,8 +400,14 @@ elif [[ -n ${PDSERVE_CLUSTER_SECRET:-} ]]; then
 else
     SECRET=$(od -An -tx1 -N32 /dev/urandom | tr -d ' \n')
 fi
-((${#SECRET} >= 16)) || die "the cluster secret must be at least 16 characters"
-write_secret "$SECRET_FILE" "$SECRET" "${!ROLE_KIND[@]}"
+((${#SECRET} >= 32)) || die "the cluster secret must be at least 32 bytes (e.g. openssl rand -hex 32)"
+INSTANCE_ROLES=()
+for i in "${!ROLE_KIND[@]}"; do [[ $i == "$ROUTER" ]] || INSTANCE_ROLES+=("$i"); done
+write_secret "$SECRET_FILE" "$SECRET" "${INSTANCE_ROLES[@]}"
+# the router gets keys derived from the secret (python -m common.cluster_secret), never the secret
+SECRET_FILES+=("$ROUTER_KEYS_FILE")
+on_host "$ROUTER" "cd $(q "$REPO_REMOTE") && umask 077 && mkdir -p $(q "$LOG_DIR") && printf '%s' $(q "$SECRET") | $(q "$PY") -m common.cluster_secret router-keys > $(q "$ROUTER_KEYS_FILE")" "$START_TIMEOUT" >/dev/null \
+    || die "could not derive the router's keys on ${ROLE_HOST[$ROUTER]} (is the cluster secret strong? see its log)"
 unset SECRET
 for f in "$API_KEY_SRC" "$ADMIN_KEY_SRC"; do [[ -z $f || -r $f ]] || die "cannot read the key file $f"; done
 read_key() {  # read_key FILE_FLAG_VALUE ENV_VALUE: the key from the file, else the inherited value

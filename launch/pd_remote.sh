@@ -32,7 +32,7 @@ role_words() {
                 colocated) argv+=(--worker "http://${ROLE_HOST[$j]}:${ROLE_PORT[$j]}") ;;
             esac
         done
-        argv+=("${ROUTER_ARGS[@]}" --cluster-secret-file "$SECRET_FILE")
+        argv+=("${ROUTER_ARGS[@]}" --cluster-secret-file "$ROUTER_KEYS_FILE")
         [[ -n $API_KEY_FILE ]] && argv+=(--api-key-file "$API_KEY_FILE")
         [[ -n $ADMIN_KEY_FILE ]] && argv+=(--admin-api-key-file "$ADMIN_KEY_FILE")
     else

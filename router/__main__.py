@@ -7,7 +7,7 @@ import sys
 
 import uvicorn
 
-from common.cluster_secret import ClusterSecret, ClusterSecretError, is_loopback, require_safe_bind
+from common.cluster_secret import ClusterSecretError, is_loopback, load_router_keys, require_safe_bind
 from common.server.conn_limits import CloseOnReject, header_timeout_protocol, raise_nofile_limit
 from router.app import build_app
 from router.config import RouterConfig
@@ -20,7 +20,7 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(f"router: {e}")
     logging.basicConfig(level=cfg.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        require_safe_bind("router", cfg.host, ClusterSecret.load(cfg.cluster_secret_file), cfg.allow_unauthenticated)
+        require_safe_bind("router", cfg.host, load_router_keys(cfg.cluster_secret_file), cfg.allow_unauthenticated)
     except ClusterSecretError as e:
         sys.exit(f"router: {e}")
     if cfg.api_key is None and not is_loopback(cfg.host) and not cfg.allow_unauthenticated_clients:

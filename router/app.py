@@ -22,7 +22,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from common.cluster_secret import ClusterSecret
+from common.cluster_secret import load_router_keys
 from common.server.generate_request import GenerateRequestBody
 from common.server.generate_response import ErrorResponse, GenerateResponse
 from common.server.openapi import ApiRoute, mount_openapi, openapi_document
@@ -62,18 +62,18 @@ class Router:
         self.cfg = cfg
         self.model = model or ModelInfo.load(cfg.model_path, cfg.served_model_name, cfg.context_length,
                                              cfg.max_prompt_chars)
-        secret = ClusterSecret.load(cfg.cluster_secret_file)
-        self.kv_indexes = KVIndexes(secret)
+        keys = load_router_keys(cfg.cluster_secret_file)
+        self.kv_indexes = KVIndexes(keys.events if keys is not None else None)
         self.registry = WorkerRegistry(cfg, self.kv_indexes.cached_tokens)
         self.metrics = RouterMetrics(self.registry)
-        worker_headers = {"Authorization": secret.bearer()} if secret is not None else {}
+        signer = keys.signer() if keys is not None else None
         self.admission = Admission(cfg, self.registry, self.metrics)
         self.metrics.watch_admission(self.admission)
-        self.dispatcher = Dispatcher(cfg, self.registry, self.metrics, self.admission, self.kv_indexes, worker_headers)
+        self.dispatcher = Dispatcher(cfg, self.registry, self.metrics, self.admission, self.kv_indexes, signer)
         self.load = LoadMonitor(self.registry, cfg.load_report_interval, cfg.health_check_timeout,
-                                self.admission.notify, worker_headers)
+                                self.admission.notify, signer)
         probe_ids = self.model.encode("ping")[:4]
-        self.health = HealthChecker(cfg, self.registry, self.metrics, probe_ids, self.kv_indexes, worker_headers)
+        self.health = HealthChecker(cfg, self.registry, self.metrics, probe_ids, self.kv_indexes, signer)
         self.parser = RequestParser(self.model, cfg.default_max_tokens_cap, cfg.incremental_streaming_output,
                                     cfg.enable_priority_scheduling, max_chat_messages=cfg.max_chat_messages,
                                     max_prompt_logprob_entries=cfg.max_prompt_logprob_entries)

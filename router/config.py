@@ -28,13 +28,18 @@ POLICIES = ("round_robin", "random", "power_of_two", "cache_aware", "load_aware"
 
 
 def normalize_url(url: str) -> str:
-    """`host:port` or `http://host:port/` -> `http://host:port`; ValueError if it is not an http URL."""
+    """`host:port` or `http://host:port/` -> `http://host:port`; ValueError if it is not an http URL
+    (https too: the router's worker client speaks no TLS, and must not fall back to plain HTTP)."""
     url = url.strip()
     if "://" not in url:
         url = "http://" + url
     parts = urlsplit(url)
-    if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise ValueError(f"not an http(s) URL: {url!r}")
+    if parts.scheme == "https":
+        raise ValueError(f"https worker URLs are not supported (the router -> worker client speaks plain HTTP, "
+                         f"authenticated per request by the cluster secret): use http:// on the cluster network, "
+                         f"not {parts.scheme}://{parts.hostname}")
+    if parts.scheme != "http" or not parts.hostname:
+        raise ValueError(f"not an http URL: {url!r}")
     if parts.username is not None or parts.password is not None:
         raise ValueError(f"worker URL must not carry user:password@ (workers authenticate by the cluster secret): "
                          f"{parts.scheme}://{parts.hostname}")

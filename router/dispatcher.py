@@ -30,6 +30,7 @@ from collections.abc import AsyncIterator
 from functools import partial
 from typing import Any
 
+from common.request_mac import RequestSigner
 from common.server.stream_cutoff import StreamCutOff
 from router.admission import Admission, has_room
 from router.config import RouterConfig
@@ -102,9 +103,9 @@ class RequestRun:
 
 class Dispatcher:
     def __init__(self, cfg: RouterConfig, registry: WorkerRegistry, metrics: RouterMetrics,
-                 admission: Admission, kv_indexes: KVIndexes, worker_headers: dict[str, str] | None = None) -> None:
+                 admission: Admission, kv_indexes: KVIndexes, signer: RequestSigner | None = None) -> None:
         self.cfg = cfg
-        self.worker_headers = worker_headers or {}
+        self.signer = signer
         self.registry = registry
         self.metrics = metrics
         self.admission = admission
@@ -116,7 +117,7 @@ class Dispatcher:
 
     def open(self) -> None:
         self.client = HttpClient(max_per_origin=self.cfg.max_connections, connect_timeout=self.cfg.connect_timeout,
-                                 default_headers=self.worker_headers)
+                                 signer=self.signer)
 
     async def close(self) -> None:
         for t in list(self.background):

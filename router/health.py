@@ -28,6 +28,7 @@ import uuid
 import httpx
 import msgspec
 
+from common.request_mac import RequestSigner
 from router.config import RouterConfig
 from router.health_state import ProbeOutcome
 from router.kv_index import KVIndexes
@@ -36,6 +37,7 @@ from router.periodic import Periodic
 from router.plan import Bootstrap, GenerationPlan
 from router.registry import WorkerRegistry
 from router.worker import CacheInfo, Worker
+from router.worker_auth import WorkerAuth
 
 logger = logging.getLogger("router.health")
 
@@ -43,9 +45,9 @@ logger = logging.getLogger("router.health")
 class HealthChecker:
     def __init__(self, cfg: RouterConfig, registry: WorkerRegistry, metrics: RouterMetrics,
                  probe_input_ids: list[int], kv_indexes: KVIndexes | None = None,
-                 worker_headers: dict[str, str] | None = None) -> None:
+                 signer: RequestSigner | None = None) -> None:
         self.cfg = cfg
-        self.worker_headers = worker_headers or {}
+        self.auth = WorkerAuth(signer)
         self.registry = registry
         self.metrics = metrics
         self.probe_input_ids = probe_input_ids or [0]
@@ -61,7 +63,7 @@ class HealthChecker:
 
     def start(self) -> None:
         self._client = httpx.AsyncClient(timeout=self.cfg.health.probe_timeout_s, trust_env=False,
-                                         headers=self.worker_headers, limits=httpx.Limits(max_keepalive_connections=64))
+                                         auth=self.auth, limits=httpx.Limits(max_keepalive_connections=64))
         self._rounds.start()
 
     async def stop(self) -> None:

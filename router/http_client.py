@@ -7,7 +7,7 @@ connections and never scans it.
 
     client = HttpClient(max_per_origin=1024, connect_timeout=5.0)
     resp = await client.post(origin, "/generate", body, headers)   # status + headers read
-                                                     # (plus default_headers: the cluster secret)
+                                                     # (plus a per-request MAC: see common.request_mac)
     async for chunk in resp.iter_body(): ...                       # de-chunked body bytes
     await resp.aclose()   # fully read -> connection back to the pool; else closed
 
@@ -24,6 +24,7 @@ import time
 from collections.abc import AsyncIterator
 from urllib.parse import urlsplit
 
+from common.request_mac import RequestSigner
 from common.timeouts import wait_within
 
 
@@ -155,10 +156,9 @@ class HttpClient:
     """Owned by the Dispatcher; one per router. Not thread-safe (one event loop)."""
 
     def __init__(self, max_per_origin: int = 1024, connect_timeout: float = 5.0, idle_timeout: float = 4.0,
-                 default_headers: dict[str, str] | None = None) -> None:
+                 signer: RequestSigner | None = None) -> None:
         self.max_per_origin = max_per_origin
-        self._default_head = b"".join(k.encode() + b": " + v.encode("latin-1") + b"\r\n"
-                                      for k, v in (default_headers or {}).items())
+        self.signer = signer
         self.connect_timeout = connect_timeout
         self.idle_timeout = idle_timeout  # below uvicorn's default keep-alive (5 s)
         self._pools: dict[str, _OriginPool] = {}
@@ -175,7 +175,9 @@ class HttpClient:
     async def post(self, origin: str, path: str, body: bytes, headers: dict[str, str]) -> Response:
         pool = self._pool(origin)
         head = [b"POST ", path.encode(), b" HTTP/1.1\r\nHost: ", pool.host_header,
-                b"\r\nContent-Length: ", str(len(body)).encode(), b"\r\n", self._default_head]
+                b"\r\nContent-Length: ", str(len(body)).encode(), b"\r\n"]
+        if self.signer is not None:
+            head += [b"Authorization: ", self.signer.sign("POST", path, body).encode(), b"\r\n"]
         for k, v in headers.items():
             head += [k.encode(), b": ", v.encode("latin-1"), b"\r\n"]
         head.append(b"\r\n")

@@ -26,7 +26,7 @@ import zmq
 import zmq.asyncio
 
 from common.cache.kv_events import KVEventMessage, KVSnapshot, PromptHashes
-from common.cluster_secret import ClusterSecret
+from common.cluster_secret import CurveKeys
 from common.zmq_curve import CurveSecurity
 from router.worker import Worker
 
@@ -88,9 +88,9 @@ MAX_SNAPSHOT_BYTES = 256 << 20  # 32M pages' hashes
 
 
 class KVIndexes:
-    def __init__(self, secret: ClusterSecret | None = None) -> None:
+    def __init__(self, events_keys: CurveKeys | None = None) -> None:
         self._ctx = zmq.asyncio.Context.instance()
-        self._security = CurveSecurity(self._ctx, secret, MAX_SNAPSHOT_BYTES)  # a CURVE client with a secret
+        self._security = CurveSecurity(self._ctx, events_keys, MAX_SNAPSHOT_BYTES)  # a CURVE client with keys
         self._subs: dict[str, _Subscription] = {}
         self._decoder = msgspec.msgpack.Decoder(KVEventMessage)
 

@@ -21,10 +21,12 @@ from collections.abc import Callable
 import httpx
 import msgspec
 
+from common.request_mac import RequestSigner
 from common.server.generate_response import LoadReport
 from router.periodic import Periodic
 from router.registry import WorkerRegistry
 from router.worker import Worker
+from router.worker_auth import WorkerAuth
 
 logger = logging.getLogger("router.load")
 _DECODER = msgspec.json.Decoder(LoadReport)
@@ -32,9 +34,9 @@ _DECODER = msgspec.json.Decoder(LoadReport)
 
 class LoadMonitor:
     def __init__(self, registry: WorkerRegistry, interval_s: float, timeout_s: float,
-                 on_round: Callable[[], None], worker_headers: dict[str, str] | None = None) -> None:
+                 on_round: Callable[[], None], signer: RequestSigner | None = None) -> None:
         self.registry = registry
-        self.worker_headers = worker_headers or {}
+        self.auth = WorkerAuth(signer)
         self.interval_s = interval_s
         self.timeout_s = timeout_s
         self.on_round = on_round
@@ -43,7 +45,7 @@ class LoadMonitor:
         self._rounds = Periodic("load report", interval_s, self.poll_all)
 
     def start(self) -> None:
-        self._client = httpx.AsyncClient(timeout=self.timeout_s, trust_env=False, headers=self.worker_headers)
+        self._client = httpx.AsyncClient(timeout=self.timeout_s, trust_env=False, auth=self.auth)
         self._rounds.start()
 
     async def stop(self) -> None:

@@ -13,6 +13,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from router.prefix_tree import PrefixTree
 from router.registry import WorkerRegistry
 
 if TYPE_CHECKING:
@@ -44,7 +45,15 @@ class _WorkerCollector(Collector):
             load.add_metric(lv, float(w.load))
         for role, n in self.registry.panic_picks.items():
             panic.add_metric([role], float(n))
-        yield from (healthy, breaker, reqs, toks, load, panic)
+        nodes = GaugeMetricFamily("router_prefix_tree_nodes", "nodes of the role's prefix tree", labels=["role"])
+        cost = GaugeMetricFamily("router_prefix_tree_cost", "tokens + 8 per node of the role's prefix tree (bounded "
+                                 "by --max-tree-tokens)", labels=["role"])
+        for role, policy in self.registry.policies.items():
+            tree = getattr(policy, "tree", None)
+            if isinstance(tree, PrefixTree):
+                nodes.add_metric([role], float(tree.nodes))
+                cost.add_metric([role], float(tree.cost))
+        yield from (healthy, breaker, reqs, toks, load, panic, nodes, cost)
 
 
 class RouterMetrics:

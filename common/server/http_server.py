@@ -33,6 +33,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from common.sampling_request import SamplingParamsRequest
+from common.secret_file import resolve_secret
 from common.server.generate_response import (
     AbortResponse,
     ErrorResponse,
@@ -40,6 +41,7 @@ from common.server.generate_response import (
     HealthResponse,
     LoadReport,
 )
+from common.server.metrics_token import MetricsToken
 from common.server.openapi import ApiRoute, mount_openapi, openapi_document
 from common.server.protocol import (
     MAX_BODY_BYTES,
@@ -60,6 +62,8 @@ logger = logging.getLogger(__name__)
 DISCONNECT_POLL_S = 0.1
 HEALTH_GENERATE_TIMEOUT_S = 20.0  # SGLang's default for /health_generate
 METRICS_STATS_TIMEOUT_S = 1.0
+METRICS_MAX_AGE_S = 1.0  # a scrape may get stats this old if no step ran and no request moved since
+METRICS_TOKEN_ENV = "PDSERVE_METRICS_TOKEN"
 CLIENT_CLOSED_STATUS = 499
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
@@ -156,10 +160,14 @@ def create_app(manager: TokenizerManager, server_info: dict[str, Any]) -> FastAP
     async def info() -> Response:
         return _json(200, {**server_info, "engine_alive": manager.engine_dead is None})
 
+    metrics_auth = MetricsToken(resolve_secret("--metrics-token", manager.args.metrics_token,
+                                               manager.args.metrics_token_file, METRICS_TOKEN_ENV))
+
     @app.get("/metrics")
-    async def prometheus() -> Response:
+    async def prometheus(request: Request) -> Response:
+        metrics_auth.check(request.headers.get("authorization"))
         try:
-            await manager.get_stats(timeout_s=METRICS_STATS_TIMEOUT_S)
+            await manager.get_stats(timeout_s=METRICS_STATS_TIMEOUT_S, max_age_s=METRICS_MAX_AGE_S)
         except ApiError:
             pass  # serve the last known engine stats, with pdserve_engine_up 0
         return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")

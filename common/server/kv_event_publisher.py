@@ -45,7 +45,7 @@ class KVEventPublisher:
         self._sock: zmq.Socket = ctx.socket(zmq.PUB)
         self._sock.setsockopt(zmq.SNDHWM, SEND_HWM)
         self._sock.setsockopt(zmq.LINGER, 0)
-        self._security = CurveSecurity(ctx, secret, MAX_INBOUND_BYTES)
+        self._security = CurveSecurity(ctx, secret.events_curve() if secret else None, MAX_INBOUND_BYTES)
         self._security.serve(self._sock)
         addr = f"tcp://{host}"
         self.port = self._sock.bind_to_random_port(addr) if port == 0 else port

@@ -30,6 +30,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from common.cluster_secret import ClusterSecret, ClusterSecretError, require_safe_bind
+from common.secret_file import SecretFileError, resolve_secret
 from common.server.cluster_auth import ClusterAuth
 from common.server.engine_handle import EngineHandle, EngineMain, configure_logging
 from common.server.ipc import READY_SEQ, EngineIpcAddrs, FrontendChannel
@@ -89,7 +90,8 @@ def launch_server(
     try:
         secret = ClusterSecret.load(args.cluster_secret_file)
         require_safe_bind(f"{args.disaggregation_mode} instance", args.host, secret, args.allow_unauthenticated)
-    except ClusterSecretError as e:
+        resolve_secret("--metrics-token", args.metrics_token, args.metrics_token_file, "PDSERVE_METRICS_TOKEN")
+    except (ClusterSecretError, SecretFileError) as e:
         logger.error("%s", e)
         raise LaunchError(str(e)) from e
     _check_port_free(args.host, args.port)

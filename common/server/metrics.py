@@ -64,6 +64,9 @@ class FrontendMetrics:
         self.rejected_full = Counter(
             "pdserve_rejected_full", "requests refused with 503 (--max-queued-requests reached)", registry=r
         )
+        self.stats_requests = Counter(
+            "pdserve_engine_stats_requests", "StatsReq messages sent to the engine (one in flight at most)", registry=r
+        )
         self.stream_cut_off = Counter(
             "pdserve_stream_cut_off", "streams aborted because the client did not read", registry=r
         )

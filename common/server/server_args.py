@@ -60,6 +60,8 @@ class ServerArgs:
     # Control-plane security
     cluster_secret_file: str | None = None
     allow_unauthenticated: bool = False
+    metrics_token: str | None = dataclasses.field(default=None, repr=False)
+    metrics_token_file: str | None = None
     # Memory and scheduling
     page_size: int = SchedulerConfig.page_size
     chunked_prefill_size: int = SchedulerConfig.chunked_prefill_size
@@ -277,6 +279,9 @@ _HELP: dict[str, str] = {
     "cluster_secret_file": "file holding the cluster secret (default: $PDSERVE_CLUSTER_SECRET); every endpoint but "
     "/health and /metrics then needs it, and so does the KV bootstrap channel (CURVE)",
     "allow_unauthenticated": "serve a non-loopback --host without a cluster secret (refused otherwise)",
+    "metrics_token": "bearer token /metrics requires (default: $PDSERVE_METRICS_TOKEN; unset: /metrics is open); "
+    "visible in `ps`: prefer --metrics-token-file",
+    "metrics_token_file": "file holding the /metrics bearer token (0600)",
     "request_timeout": "seconds per request end to end at the frontend (default: off)",
     "header_timeout": "seconds a client may take to send a request's head before its connection is closed",
     "body_timeout": "seconds a client may take to send a whole request (head and body) before its connection "

@@ -11,7 +11,8 @@ TokenizerManager owns rid -> ReqState for every request between `start` and
                     gets an error, new requests get 503, /health turns 503; a hung
                     engine also sets `fatal` and the launcher ends the instance
     _refresh_loop:  asks the engine for stats every STATS_REFRESH_S (answered
-                    between steps), so /health never waits on the engine
+                    between steps), so /health never waits on the engine; every stats
+                    caller shares one StatsReq in flight (engine_stats.py)
 
 Bounds: at most --max-running-requests + --max-queued-requests requests in the table
 (beyond: 503 with Retry-After at once; every request reaches the engine through here, so
@@ -29,13 +30,13 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import itertools
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 
 from common.server.detokenizer import RequestDetokenizer
+from common.server.engine_stats import EngineStats, StatsUnavailable
 from common.server.input_processor import InputProcessor
 from common.server.io_struct import (
     AbortReq,
@@ -89,9 +90,7 @@ class TokenizerManager:
         self.fatal = asyncio.Event()  # the instance must end (engine_hung says why)
         self.engine_problem: str | None = None  # the engine answers but cannot serve (StatsResp.unhealthy)
         self._states: dict[str, ReqState] = {}
-        self._stats_waiters: dict[int, asyncio.Future[dict[str, float]]] = {}
-        self._seq = itertools.count(1)
-        self._refresh_seq: int | None = None  # the background stats probe not yet answered
+        self.engine_stats = EngineStats(self._send_stats_req, lambda: self.step_snapshot().steps)
         self._tasks: list[asyncio.Task[None]] = []
         self.max_in_flight = args.max_running_requests + args.max_queued_requests
         self._tokenize_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
@@ -150,6 +149,7 @@ class TokenizerManager:
         state = ReqState(req=req, detok=detok, incremental=incremental, token_text=token_text)
         self._states[rid] = state
         self.metrics.in_flight.inc()
+        self.engine_stats.activity += 1
         try:
             await self.channel.send(req, timeout_s=SEND_TIMEOUT_S)
         except IpcSendTimeout as e:
@@ -281,29 +281,28 @@ class TokenizerManager:
             raise ApiError(503, self.engine_problem)
         return snap
 
-    async def get_stats(self, timeout_s: float = 2.0) -> dict[str, float]:
-        """Ask the engine for its stats; ApiError(503) if it does not answer within timeout_s."""
+    def _send_stats_req(self, seq: int) -> bool:
+        self.metrics.stats_requests.inc()
+        return self.channel.send_nowait(StatsReq(seq=seq))
+
+    async def get_stats(self, timeout_s: float = 2.0, max_age_s: float = 0.0) -> dict[str, float]:
+        """The engine's stats, asked for no earlier than this call (one StatsReq in flight, shared:
+        common/server/engine_stats.py); with max_age_s the last answer while still true.
+        ApiError(503) if the engine does not answer within timeout_s."""
         self._check_engine()
-        seq = next(self._seq)
-        fut: asyncio.Future[dict[str, float]] = asyncio.get_running_loop().create_future()
-        self._stats_waiters[seq] = fut
         try:
-            if not self.channel.send_nowait(StatsReq(seq=seq)):
-                raise ApiError(503, "the engine is not taking messages")
-            stats = await wait_within(fut, timeout_s)
-        except asyncio.TimeoutError:
+            stats = await self.engine_stats.fetch(timeout_s, max_age_s)
+        except StatsUnavailable as e:
             self.metrics.engine.up = False
-            raise ApiError(503, f"the engine did not answer a stats probe within {timeout_s}s") from None
-        finally:
-            self._stats_waiters.pop(seq, None)
+            raise ApiError(503, str(e)) from None
         self.metrics.engine.up = True
-        self.metrics.engine.stats = stats
         return stats
 
     async def _recv_loop(self) -> None:
         while True:
             reply = await self.channel.recv()
             if isinstance(reply, BatchTokenOut):
+                self.engine_stats.activity += 1
                 for out in reply.items:
                     state = self._states.get(out.rid)
                     if state is not None and not state.finished:
@@ -314,18 +313,11 @@ class TokenizerManager:
                 self.engine_problem = reply.unhealthy
                 self.metrics.engine.up = True
                 self.metrics.engine.stats = reply.stats
-                if reply.seq == self._refresh_seq:
-                    self._refresh_seq = None
-                fut = self._stats_waiters.get(reply.seq)
-                if fut is not None and not fut.done():
-                    fut.set_result(reply.stats)
+                self.engine_stats.answered(reply.seq, reply.stats)
 
     async def _refresh_loop(self) -> None:
         while self.engine_dead is None and self.engine_hung is None:
-            if self._refresh_seq is None:  # one probe at a time: a long step answers it late
-                seq = next(self._seq)
-                if self.channel.send_nowait(StatsReq(seq=seq)):
-                    self._refresh_seq = seq
+            self.engine_stats.refresh()  # one probe at a time: a long step answers it late
             await asyncio.sleep(STATS_REFRESH_S)
 
     async def _watchdog_loop(self) -> None:
@@ -359,6 +351,4 @@ class TokenizerManager:
         for state in list(self._states.values()):
             state.engine_done = True
             state.queue.put_nowait(ApiError(error.status, error.message, error.err_type))
-        for fut in self._stats_waiters.values():
-            if not fut.done():
-                fut.set_exception(ApiError(503, f"the engine is not running: {reason}"))
+        self.engine_stats.fail(f"the engine is not running: {reason}")

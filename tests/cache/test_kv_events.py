@@ -5,6 +5,7 @@ sync on a gap or a restart (new epoch) and trusts nothing until the next snapsho
 from __future__ import annotations
 
 import random
+import secrets
 import time
 
 import msgspec
@@ -135,13 +136,13 @@ def test_with_a_cluster_secret_only_the_cluster_subscribes() -> None:
     from common.zmq_curve import CurveSecurity
 
     ctx = zmq.Context.instance()
-    secret, other = ClusterSecret(b"s" * 32), ClusterSecret(b"o" * 32)
+    secret, other = ClusterSecret(secrets.token_bytes(32)), ClusterSecret(secrets.token_bytes(32))
     pub = KVEventPublisher("127.0.0.1", 0, PAGE, secret=secret, snapshot_interval_s=3600)
     subs = []
-    for key in (secret, None, other):
+    for keys in (secret.router_keys().events, None, other.router_keys().events):
         sock = ctx.socket(zmq.SUB)
         sock.setsockopt(zmq.SUBSCRIBE, b"")
-        CurveSecurity(ctx, key, 1 << 20).connect(sock)
+        CurveSecurity(ctx, keys, 1 << 20).connect(sock)
         sock.connect(f"tcp://127.0.0.1:{pub.port}")
         subs.append(sock)
     good, plain, wrong = subs

@@ -157,19 +157,28 @@ def test_secrets_only_as_mounted_files(chart: tuple[str, Rendered]) -> None:
     for role in ("prefill", "decode", "router"):
         spec = r.pod_spec(r.deployment(role))
         vols = {v["name"]: v for v in spec["volumes"]}
-        (secret_vol,) = [v for v in vols.values() if "secret" in v]
-        assert secret_vol["secret"]["secretName"] == secret_name
+        assert all(v["secret"]["secretName"] == secret_name for v in vols.values() if "secret" in v)
+        secret_vol = vols["secrets"]
         for c in spec["containers"] + spec.get("initContainers", []):
             assert "envFrom" not in c
             for e in c.get("env", []):
                 assert "secretKeyRef" not in e.get("valueFrom", {}), e
             mounts = {m["name"]: m for m in c["volumeMounts"]}
-            assert mounts[secret_vol["name"]]["readOnly"] is True
+            assert all(mounts[n]["readOnly"] is True for n in mounts if "secret" in vols[n]), c["name"]
         main = spec["containers"][0]
         mount = {m["name"]: m for m in main["volumeMounts"]}[secret_vol["name"]]["mountPath"]
         flags = [a for a in main["args"] if a.startswith("--cluster-secret-file=")]
-        assert flags == [f"--cluster-secret-file={mount}/cluster-secret"]
         assert not [a for a in main["args"] if re.match(r"--(admin-)?api-key(=|$)", a)]
+        if role != "router":
+            assert flags == [f"--cluster-secret-file={mount}/cluster-secret"]
+            continue
+        # L6: the router container holds derived keys only; the cluster secret reaches only the
+        # init container that derives them
+        assert flags == ["--cluster-secret-file=/var/run/pdserve/router-keys/router_keys"]
+        assert [i["key"] for i in secret_vol["secret"]["items"]] == ["api-key", "admin-api-key"]
+        holders = [c["name"] for c in spec["containers"] + spec.get("initContainers", [])
+                   if any(m["name"] == "cluster-secret" for m in c["volumeMounts"])]
+        assert holders == ["router-keys"] and vols["router-keys"]["emptyDir"]["medium"] == "Memory"
     text = repr([o for o in r.objects if o["kind"] != "Secret"])
     assert API_KEY not in text and ADMIN_KEY not in text
     secrets = r.of_kind("Secret")

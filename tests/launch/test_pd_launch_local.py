@@ -85,6 +85,8 @@ def test_pd_sh_serves_openai_and_sigterm_stops_everything(
     assert (logs / "api_key").read_text() == api_key and (logs / "admin_api_key").read_text() == admin_key
     router_cmd = procs[next(r.pid for r in run.roles() if r.name == "router")][0]
     assert b"--api-key-file\0" in router_cmd and b"--admin-api-key-file\0" in router_cmd
+    assert f"--cluster-secret-file\0{logs / 'router_keys'}\0".encode() in router_cmd  # derived keys only
+    assert (logs / "router_keys").stat().st_mode & 0o777 == 0o600 and secret not in (logs / "router_keys").read_text()
     assert all(b"api-key" not in procs[r.pid][0] for r in run.roles() if r.name != "router")
     assert httpx.get(url + "/v1/models", timeout=10).status_code == 401
     assert httpx.get(url + "/workers", timeout=10, headers={"Authorization": f"Bearer {admin_key}"}).status_code == 200
@@ -124,8 +126,9 @@ def test_pd_sh_serves_openai_and_sigterm_stops_everything(
     assert run.live_groups() == []
     assert all(port_free(p) for p in ports.values()), ports
     assert "pd.sh: stopped" in run.output()
-    assert not [f.name for f in logs.iterdir() if f.name in ("cluster_secret", "api_key", "admin_api_key",
-                                                             "role_secrets.env")], "a secret file outlived pd.sh"
+    assert not [f.name for f in logs.iterdir() if f.name in ("cluster_secret", "router_keys", "api_key",
+                                                             "admin_api_key", "role_secrets.env")], \
+        "a secret file outlived pd.sh"
 
 
 def test_pd_sh_fails_fast_with_the_log_tail_of_a_broken_role(
@@ -202,9 +205,9 @@ def test_ssh_and_exec_hook_run_the_same_role_command(tmp_path: Path) -> None:
     assert cmds["router"].endswith(
         "-m router --model-path /models/m --host 10.9.0.1 --port 8000 "
         "--prefill http://10.9.0.2:30100 8998 --prefill http://10.9.0.3:9000 9100 "
-        f"--decode http://10.9.0.4:30200 {secret}"
+        f"--decode http://10.9.0.4:30200 --cluster-secret-file {tmp_path / 'logs' / 'router_keys'}"
     )
-    assert all(cmd.endswith(secret) for cmd in cmds.values())
+    assert all(cmd.endswith(secret) for name, cmd in cmds.items() if name != "router")
 
 
 @pytest.mark.parametrize(

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 import random
+import secrets
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -67,7 +68,7 @@ class Cluster:
 def cluster(tiny_llama_path: str) -> Iterator[Cluster]:
     model = Path(tiny_llama_path)
     saved = os.environ.get(ENV_VAR)
-    os.environ[ENV_VAR] = "multiturn-test-secret-0123456789"  # every role started below inherits it
+    os.environ[ENV_VAR] = secrets.token_hex(32)  # every role started below inherits it
     prefill = RoleProcess("prefill_server", model, *COMMON, "--max-total-tokens", "4096")
     decodes = [RoleProcess("decode_server", model, *DECODE) for _ in range(2)]
     router = None

@@ -107,11 +107,15 @@ class NonReader:
 
 def metric(url: str, name: str, labels: dict[str, str] | None = None) -> float:
     """Sum of a metric's samples named `name` (with these labels) at url/metrics; 0 if absent."""
-    text = httpx.get(url + "/metrics", timeout=5).text
+    return metric_value(httpx.get(url + "/metrics", timeout=5).text, name, **(labels or {}))
+
+
+def metric_value(text: str, name: str, **labels: str) -> float:
+    """Sum of the samples named `name` (with these labels) in Prometheus text; 0 if absent."""
     total = 0.0
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
-            if sample.name == name and all(sample.labels.get(k) == v for k, v in (labels or {}).items()):
+            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
                 total += sample.value
     return total
 

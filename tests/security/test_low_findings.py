@@ -5,6 +5,7 @@ L1 /health and /metrics name no worker URL or worker text; no user:password@ wor
 L12 a worker's 5xx text never reaches the client. L4 `priority` only with --enable-priority-scheduling.
 L3 `cache_salt` is refused, not silently ignored. L11 no CDN-loaded /docs unless --enable-docs.
 L8 tokenizer_config.json can name only a tokenizer class. L2 no open router on a public address.
+L9 the router's prefix tree is bounded in nodes, not only tokens.
 """
 
 from __future__ import annotations
@@ -21,13 +22,15 @@ import httpx
 import pytest
 
 from common.tokenizer_loading import load_tokenizer
+from router.prefix_tree import NODE_COST
 from tests.pd.pd_procs import REPO_ROOT
 from tests.router.router_procs import ADMIN, RouterProc, StubWorker, pd_args
-from tests.security.front_procs import wait_for
+from tests.security.front_procs import metric_value, wait_for
 from tests.server.server_procs import free_port
 
 COMP = {"prompt": "Hi", "max_tokens": 2}
 FAST = ("--health-check-interval", "0.2", "--health-check-timeout", "0.5")
+TREE_BOUND = 4096
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +48,7 @@ def stubs() -> Iterator[tuple[StubWorker, StubWorker]]:
 @pytest.fixture(scope="module")
 def router(long_ctx_model: Path, stubs: tuple[StubWorker, StubWorker]) -> Iterator[RouterProc]:
     p, d = stubs
-    r = RouterProc(long_ctx_model, pd_args([p], [d], *FAST, "--max-retries", "0"))
+    r = RouterProc(long_ctx_model, pd_args([p], [d], *FAST, "--max-retries", "0", "--max-tree-tokens", str(TREE_BOUND)))
     try:
         r.wait_ready()
         yield r
@@ -182,3 +185,18 @@ def test_l2_dns_rebinding_gets_no_answer(router: RouterProc, long_ctx_model: Pat
         assert httpx.get(named.url + "/metrics", headers={"Host": "attacker.example"}).status_code == 421
     finally:
         named.stop()
+
+
+def test_l9_prefix_tree_is_bounded_in_nodes(router: RouterProc) -> None:
+    """L9: prompts that leave a shared prefix at successive positions add ~2 nodes and ~2 tokens
+    each; bounded only in tokens, 500 of them grew the tree to ~1,000 nodes (~600 B each) under
+    a 4,096-token bound. Each node now counts NODE_COST tokens, and eviction keeps the bound."""
+    base = [i % 50 + 1 for i in range(500)]
+    with httpx.Client(base_url=router.url, timeout=30) as c:
+        for k in range(1, 501):
+            body = {"input_ids": [*base[:k], 99], "sampling_params": {"max_new_tokens": 1}}
+            assert c.post("/generate", json=body).status_code == 200
+    text = httpx.get(router.url + "/metrics", timeout=10).text
+    nodes = metric_value(text, "router_prefix_tree_nodes", role="prefill")
+    cost = metric_value(text, "router_prefix_tree_cost", role="prefill")
+    assert 100 < nodes <= TREE_BOUND // NODE_COST and cost <= TREE_BOUND, (nodes, cost)

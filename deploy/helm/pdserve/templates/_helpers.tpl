@@ -30,13 +30,17 @@ helm.sh/chart: {{ printf "%s-%s" .root.Chart.Name .root.Chart.Version }}
 {{- end -}}
 
 {{/* The model volume, the secret volume and their mounts; the init step. */}}
-{{- define "pdserve.volumes" -}}
+{{- define "pdserve.modelVolume" -}}
 - name: model
   {{- if .Values.model.volume }}
   {{- toYaml .Values.model.volume | nindent 2 }}
   {{- else }}
   emptyDir: {}
   {{- end }}
+{{- end -}}
+
+{{- define "pdserve.volumes" -}}
+{{ include "pdserve.modelVolume" . }}
 - name: secrets
   secret:
     secretName: {{ include "pdserve.secretName" . }}
@@ -58,19 +62,23 @@ helm.sh/chart: {{ printf "%s-%s" .root.Chart.Name .root.Chart.Version }}
   value: /tmp
 {{- end -}}
 
+{{- define "pdserve.modelInit" -}}
+- name: model-init
+  image: "{{ .Values.image.repository }}:{{ .Values.image.tag }}"
+  imagePullPolicy: {{ .Values.image.pullPolicy }}
+  command: {{ toJson .Values.model.init.command }}
+  env:
+    {{- include "pdserve.env" . | nindent 4 }}
+  volumeMounts:
+    {{- include "pdserve.volumeMounts" . | nindent 4 }}
+  securityContext:
+    {{- toYaml .Values.securityContext | nindent 4 }}
+{{- end -}}
+
 {{- define "pdserve.initContainers" -}}
 {{- if .Values.model.init.enabled }}
 initContainers:
-  - name: model-init
-    image: "{{ .Values.image.repository }}:{{ .Values.image.tag }}"
-    imagePullPolicy: {{ .Values.image.pullPolicy }}
-    command: {{ toJson .Values.model.init.command }}
-    env:
-      {{- include "pdserve.env" . | nindent 6 }}
-    volumeMounts:
-      {{- include "pdserve.volumeMounts" . | nindent 6 }}
-    securityContext:
-      {{- toYaml .Values.securityContext | nindent 6 }}
+  {{- include "pdserve.modelInit" . | nindent 2 }}
 {{- end }}
 {{- end -}}
 
