@@ -43,7 +43,10 @@ MAX_LOGPROB_ENTRIES = 2000
 @pytest.fixture(scope="module")
 def pd(long_ctx_model: Path) -> Iterator[tuple[RouterProc, StubWorker, StubWorker]]:
     p, d = StubWorker("prefill", wait=False), StubWorker("decode", wait=False)
-    r = RouterProc(long_ctx_model, pd_args([p], [d], "--health-check-interval", "0.2", "--max-prompt-chars",
+    # test_client_errors_name_no_worker_address injects decode failures: with the default threshold
+    # they opened decode's breaker for 10 s and failed whichever test came next (not under test here)
+    r = RouterProc(long_ctx_model, pd_args([p], [d], "--health-check-interval", "0.2", "--breaker-failure-threshold", "1000",
+                                           "--max-prompt-chars",
                                            str(MAX_PROMPT_CHARS), "--max-chat-messages", "64",
                                            "--max-prompt-logprob-entries", str(MAX_LOGPROB_ENTRIES)), wait=False)
     try:
