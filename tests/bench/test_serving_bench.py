@@ -45,7 +45,8 @@ def test_openai_completions_counts_failures_and_writes_files(
         "--random-input-len", "24", "--random-output-len", "8", "--random-range-ratio", "0.5",
         "--max-concurrency", "6", "--slo-ttft-ms", "10000", "--output-file", str(out_json),
         "--plot", str(out_png))
-    assert rc == 0 and res is not None and set(res) == set(RESULT_KEYS)
+    assert rc == 0 and res is not None and set(res) == {*RESULT_KEYS, "failed_reasons"}
+    assert "x HTTP 500" in res["failed_reasons"]  # why requests failed, in the RESULT line itself
     stats = fake.stats()
     # arrivals 2..21 after one warmup: every 4th fails, rotating 500 / SSE error / no content
     assert (res["completed"], res["failed"]) == (15, 5)
