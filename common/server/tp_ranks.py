@@ -19,6 +19,7 @@ on --host's interface (L10; an operator's GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAM
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import multiprocessing
 import os
@@ -26,6 +27,7 @@ import shutil
 import signal
 import tempfile
 import threading
+from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -91,17 +93,35 @@ def set_rank_threads(device: torch.device, size: int) -> None:
         torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // size))
 
 
+@contextlib.contextmanager
+def _listen_on(ifname: str | None) -> Iterator[None]:
+    """gloo and NCCL listen on `ifname` (--host's interface) unless the operator set their
+    variables. GLOO_SOCKET_IFNAME is read when a gloo group is made, so it is set only meanwhile:
+    neither a later in-process group on another --host nor a child process inherits it. NCCL
+    reads its variable when its first communicator is made (lazily, at the first collective), so
+    NCCL_SOCKET_IFNAME stays set."""
+    if ifname is None or "GLOO_SOCKET_IFNAME" in os.environ:
+        if ifname is not None:
+            os.environ.setdefault("NCCL_SOCKET_IFNAME", ifname)
+        yield
+        return
+    os.environ.setdefault("NCCL_SOCKET_IFNAME", ifname)
+    os.environ["GLOO_SOCKET_IFNAME"] = ifname
+    try:
+        yield
+    finally:
+        os.environ.pop("GLOO_SOCKET_IFNAME", None)
+
+
 def init_tp_group(rank: int, size: int, addrs: TPAddrs, device: torch.device, timeout_s: float) -> TPGroup:
     """Join the instance's group. NCCL carries activations on CUDA; gloo carries them on CPU
     (and, on CUDA, the start barrier)."""
     backend = "nccl" if device.type == "cuda" else "gloo"
-    if addrs.ifname is not None:  # gloo/NCCL listen where --host is, not on the hostname's interface
-        os.environ.setdefault("GLOO_SOCKET_IFNAME", addrs.ifname)
-        os.environ.setdefault("NCCL_SOCKET_IFNAME", addrs.ifname)
-    torch.distributed.init_process_group(
-        backend, init_method=addrs.dist_init, rank=rank, world_size=size, timeout=timedelta(seconds=timeout_s)
-    )
-    cpu_group = torch.distributed.new_group(backend="gloo") if backend == "nccl" else None
+    with _listen_on(addrs.ifname):  # gloo/NCCL listen where --host is, not on the hostname's interface
+        torch.distributed.init_process_group(
+            backend, init_method=addrs.dist_init, rank=rank, world_size=size, timeout=timedelta(seconds=timeout_s)
+        )
+        cpu_group = torch.distributed.new_group(backend="gloo") if backend == "nccl" else None
     return TPGroup(rank, size, device_group=None, cpu_group=cpu_group)
 
 
