@@ -22,7 +22,10 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+from collections.abc import Iterator
 from dataclasses import dataclass, field
+
+import pytest
 
 
 class LabUnavailable(RuntimeError):
@@ -111,3 +114,17 @@ class NetnsLab:
         if self.made_route:
             ip("route", "del", "blackhole", self.subnet, check=False)
             self.made_route = False
+
+
+def lab_or_skip(num_hosts: int) -> Iterator[NetnsLab]:
+    """A fixture body: a created lab (the test skips where namespaces are not permitted),
+    destroyed after the test."""
+    lab = NetnsLab(num_hosts=num_hosts)
+    try:
+        try:
+            lab.create()
+        except LabUnavailable as e:
+            pytest.skip(str(e))
+        yield lab
+    finally:
+        lab.destroy()

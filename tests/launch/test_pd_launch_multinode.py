@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.launch.netns_lab import LabUnavailable, NetnsLab
+from tests.launch.netns_lab import NetnsLab, lab_or_skip
 from tests.launch.pd_launch import PdLaunch
 
 ROUTER, PREFILL, DECODE = 0, 1, 2
@@ -33,15 +33,7 @@ print(json.dumps({"finish": out.choices[0].finish_reason, "tokens": out.usage.co
 
 @pytest.fixture
 def lab() -> Iterator[NetnsLab]:
-    lab = NetnsLab(num_hosts=3)
-    try:
-        try:
-            lab.create()
-        except LabUnavailable as e:
-            pytest.skip(str(e))
-        yield lab
-    finally:
-        lab.destroy()
+    yield from lab_or_skip(3)
 
 
 def metric(lab: NetnsLab, host: int, port: int, name: str) -> float:

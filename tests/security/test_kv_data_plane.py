@@ -24,7 +24,7 @@ from typing import Any
 import pytest
 
 from tests.harness.process import ChildProcess, wait_until
-from tests.launch.netns_lab import LabUnavailable, NetnsLab
+from tests.launch.netns_lab import NetnsLab, lab_or_skip
 from tests.security.ucx_peers import attack
 
 CANARY_TEXT = "written-by-a-stranger"
@@ -96,15 +96,7 @@ def test_h1_any_local_process_writes_into_an_instance_over_lo() -> None:
 
 @pytest.fixture
 def lab() -> Iterator[NetnsLab]:
-    lab = NetnsLab(num_hosts=2)
-    try:
-        try:
-            lab.create()
-        except LabUnavailable as e:
-            pytest.skip(str(e))
-        yield lab
-    finally:
-        lab.destroy()
+    yield from lab_or_skip(2)
 
 
 def test_h1_a_neighbour_writes_across_hosts_and_the_instance_warned(lab: NetnsLab) -> None:

@@ -32,7 +32,7 @@ from kv_transfer.rank_agent import RankAgent, RankAgentArgs
 from kv_transfer.rank_link import RankLink
 from kv_transfer.rank_messages import RankDone, RankHello, encode
 from tests.harness.process import ChildProcess, wait_until
-from tests.launch.netns_lab import LabUnavailable, NetnsLab
+from tests.launch.netns_lab import NetnsLab, lab_or_skip
 
 NOBODY = 65534
 TIMEOUT_S = 10.0
@@ -174,15 +174,7 @@ def test_m5_a_forged_rank_report_or_hello_from_another_connection_is_dropped(lin
 
 @pytest.fixture
 def lab() -> Iterator[NetnsLab]:
-    lab = NetnsLab(num_hosts=1)
-    try:
-        try:
-            lab.create()
-        except LabUnavailable as e:
-            pytest.skip(str(e))
-        yield lab
-    finally:
-        lab.destroy()
+    yield from lab_or_skip(1)
 
 
 def test_m5_l10_a_tp_instance_meets_privately_and_listens_on_host(lab: NetnsLab, tiny_llama_path: str) -> None:
