@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -22,6 +23,19 @@ import httpx
 from serving_workloads import RequestInput
 
 BACKENDS = ("openai", "openai-chat", "native")
+
+
+async def sse_events(resp: httpx.Response) -> AsyncIterator[dict[str, Any] | None]:
+    """The JSON events of a server-sent-events response, in order; None for `data: [DONE]`,
+    after which it ends (a stream that ends without one never yields None)."""
+    async for line in resp.aiter_lines():
+        if not line.startswith("data:"):
+            continue
+        data = line[5:].strip()
+        if data == "[DONE]":
+            yield None
+            return
+        yield json.loads(data)
 
 
 @dataclass
@@ -187,14 +201,11 @@ class StreamingClient:
             last = start
             chunks = ids = 0
             done = False
-            async for line in resp.aiter_lines():
-                if not line.startswith("data:"):
-                    continue
-                data = line[5:].strip()
-                if data == "[DONE]":
+            async for event in sse_events(resp):
+                if event is None:
                     done = True
                     break
-                d = self.proto.parse(json.loads(data))
+                d = self.proto.parse(event)
                 if d.error is not None:
                     rec.error = f"stream error: {d.error}"
                     break

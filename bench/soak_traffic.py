@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
+from serving_client import sse_events
 
 MIX = {"completion": 20, "completion_stream": 20, "chat": 15, "chat_stream": 20, "cancel": 10,
        "overlong": 5, "multiturn": 10}
@@ -148,14 +149,10 @@ class TrafficClient:
             if r.status_code != 200:
                 o.error = f"HTTP {r.status_code}: {(await r.aread()).decode(errors='replace')[:300]}"
                 return
-            async for line in r.aiter_lines():
-                if not line.startswith("data:"):
-                    continue
-                data = line[5:].strip()
-                if data == "[DONE]":
+            async for event in sse_events(r):
+                if event is None:
                     done = True
                     break
-                event = json.loads(data)
                 if "error" in event:
                     o.error = f"SSE error event: {json.dumps(event['error'])[:300]}"
                     return
