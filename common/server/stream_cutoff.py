@@ -7,12 +7,17 @@ and, past its bound, calls `StreamCutOff.cut()`: the request is aborted upstream
 owner, and the response task is cancelled here, which makes uvicorn close the
 connection (it logs "ASGI callable returned without completing response").
 
-No extra task per stream: `cut()` cancels the task that serves the response.
+No extra task per stream: `cut()` cancels the task that serves the response. Starlette streams
+from a child task of that one (ASGI spec < 2.4, uvicorn's case), and anyio delivers the
+cancellation to the child only once its pending wait is not already satisfied: a child that has
+the owner's last events in hand could write them, and the stream's normal end, first. So the
+body is also checked chunk by chunk: after the cut nothing more is written.
 """
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterable, AsyncIterator
 from typing import Any
 
 from fastapi.responses import StreamingResponse
@@ -41,12 +46,23 @@ class StreamCutOff:
         self._task = None
 
 
+class StreamWasCut(Exception):
+    """Raised in place of a chunk the body produced after the cut (never reaches the client)."""
+
+
 class CutOffStreamingResponse(StreamingResponse):
     """StreamingResponse that ends (connection closed, no trailer) when its StreamCutOff is cut."""
 
     def __init__(self, content: Any, cut_off: StreamCutOff, **kwargs: Any) -> None:
         super().__init__(content, **kwargs)
         self.cut_off = cut_off
+        self.body_iterator = self._until_cut(self.body_iterator)
+
+    async def _until_cut(self, body: AsyncIterable[Any]) -> AsyncIterator[Any]:
+        async for chunk in body:
+            if self.cut_off.was_cut:
+                raise StreamWasCut
+            yield chunk
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         cut = self.cut_off
@@ -55,10 +71,11 @@ class CutOffStreamingResponse(StreamingResponse):
         cut.bind()
         try:
             await super().__call__(scope, receive, send)
-        except asyncio.CancelledError:
+        except (asyncio.CancelledError, StreamWasCut):
             task = asyncio.current_task()
             if not cut.was_cut or task is None or task.cancelling() > 1:
                 raise
-            task.uncancel()
+            if task.cancelling():
+                task.uncancel()
         finally:
             cut.unbind()
