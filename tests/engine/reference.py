@@ -14,8 +14,14 @@ def hf_model(path: str) -> transformers.PreTrainedModel:
     return model.eval()
 
 
-@torch.inference_mode()
 def hf_greedy(path: str, prompt: list[int], max_new_tokens: int) -> list[int]:
+    """Memoized: the model is already cached by path (hf_model), so its output can be too."""
+    return list(_hf_greedy(path, tuple(prompt), max_new_tokens))
+
+
+@functools.lru_cache(maxsize=4096)
+@torch.inference_mode()
+def _hf_greedy(path: str, prompt: tuple[int, ...], max_new_tokens: int) -> tuple[int, ...]:
     model = hf_model(path)
     out = model.generate(
         torch.tensor([prompt]),
@@ -25,4 +31,4 @@ def hf_greedy(path: str, prompt: list[int], max_new_tokens: int) -> list[int]:
         eos_token_id=[],
         pad_token_id=0,
     )
-    return out[0, len(prompt):].tolist()
+    return tuple(out[0, len(prompt):].tolist())

@@ -21,7 +21,7 @@ import pytest
 
 from common.engine import Engine
 from tests.engine.reference import hf_greedy
-from tests.pd.pd_procs import PDPair, start_pair
+from tests.pd.pd_procs import PDPair, RoleProcess, start_pair
 
 VOCAB = 384
 SAMPLED = {"temperature": 0.9, "top_p": 0.95, "top_k": 50, "seed": 1234, "frequency_penalty": 0.5,
@@ -38,6 +38,30 @@ def workload(n: int, seed: int) -> list[list[int]]:
     return prompts
 
 
+# page16-overlap's prefill and small_decode's: one start serves both
+PREFILL16 = ["--page-size", "16", "--chunked-prefill-size", "32", "--max-total-tokens", "8192"]
+
+
+def start_decode(prefill: RoleProcess, model_dir: Path, flags: list[str]) -> PDPair:
+    decode = RoleProcess("decode_server", model_dir, "--dtype", "float32", *flags)
+    try:
+        decode.wait_healthy()
+    except Exception:
+        decode.stop()
+        raise
+    return PDPair(prefill, decode)
+
+
+@pytest.fixture(scope="module")
+def prefill16(tiny_llama_path: str) -> Iterator[RoleProcess]:
+    role = RoleProcess("prefill_server", Path(tiny_llama_path), "--dtype", "float32", *PREFILL16)
+    try:
+        role.wait_healthy()
+        yield role
+    finally:
+        role.stop()
+
+
 @pytest.fixture(scope="module", params=[(16, True), (16, False), (1, True), (1, False), (16, "one-thread")],
                 ids=["page16-overlap", "page16-normal", "page1-overlap", "page1-normal", "page16-overlap-one-thread"])
 def pair(request: pytest.FixtureRequest, tiny_llama_path: str) -> Iterator[PDPair]:
@@ -47,9 +71,16 @@ def pair(request: pytest.FixtureRequest, tiny_llama_path: str) -> Iterator[PDPai
     loop = [] if overlap else ["--disable-overlap-schedule"]
     if overlap == "one-thread":
         loop = ["--overlap-worker-thread", "off"]
-    p = start_pair(Path(tiny_llama_path),
-                   ["--page-size", ps, "--chunked-prefill-size", "32", "--max-total-tokens", "8192", *loop],
-                   ["--page-size", ps, "--max-total-tokens", "8192", *loop])
+    decode = ["--page-size", ps, "--max-total-tokens", "8192", *loop]
+    if request.param == (16, True):
+        p = start_decode(request.getfixturevalue("prefill16"), Path(tiny_llama_path), decode)
+        try:
+            yield p
+        finally:
+            p.decode.stop()
+        return
+    p = start_pair(Path(tiny_llama_path), ["--page-size", ps, "--chunked-prefill-size", "32", "--max-total-tokens", "8192",
+                                           *loop], decode)
     try:
         yield p
     finally:
@@ -175,25 +206,23 @@ def test_stops_on_the_first_token_and_later_equal_colocated(pair: PDPair, coloca
 
 
 @pytest.fixture(scope="module")
-def small_decode(tiny_llama_path: str) -> Iterator[PDPair]:
-    """Decode pool of 256 tokens and an optimistic reservation: admission over-commits, so the
-    decode batch must retract; prefill's bootstrap queue holds what decode cannot take."""
-    p = start_pair(
-        Path(tiny_llama_path),
-        ["--page-size", "4", "--chunked-prefill-size", "32", "--max-total-tokens", "8192"],
-        ["--page-size", "4", "--max-total-tokens", "256", "--num-reserved-decode-tokens", "0",
-         "--schedule-conservativeness", "0.3"],
-    )
+def small_decode(prefill16: RoleProcess, tiny_llama_path: str) -> Iterator[PDPair]:
+    """Decode pool of 256 tokens (16 pages of 16) and an optimistic reservation: admission
+    over-commits, so the decode batch must retract; prefill's bootstrap queue holds what decode
+    cannot take. (tests/pd/test_pd_multiturn.py retracts at page size 4.)"""
+    p = start_decode(prefill16, Path(tiny_llama_path),
+                     ["--page-size", "16", "--max-total-tokens", "256", "--num-reserved-decode-tokens", "0",
+                      "--schedule-conservativeness", "0.3"])
     try:
         yield p
     finally:
-        p.stop()
+        p.decode.stop()
 
 
 def test_pd_retraction_keeps_outputs_exact(small_decode: PDPair, tiny_llama_path: str) -> None:
     rng = random.Random(4)
     prompts = [[rng.randrange(3, VOCAB) for _ in range(30)] for _ in range(10)]
-    # Any two of these at full length (30 + 100 tokens each) overflow the 256-token pool, so
+    # Any two of these at full length (30 + 100 tokens, 9 pages each) overflow the 16-page pool, so
     # decode retracts even when a slow machine feeds it one request at a time.
     results = small_decode.run([small_decode.body(p, 100) for p in prompts])
     for prompt, res in zip(prompts, results, strict=True):

@@ -42,7 +42,7 @@ SLOW_STEP_S = 0.02
 class Instances:
     prefill: dict[int, RoleProcess]  # by TP size
     decode: dict[int, RoleProcess]
-    prefill_args: list[str]  # the prefills' flags (but --tp-size)
+    failed_write: PDResult | None = None  # page 1: the room whose write rank 1 failed (see fail_first_post)
 
     def pair(self, prefill_tp: int, decode_tp: int) -> PDPair:
         return PDPair(self.prefill[prefill_tp], self.decode[decode_tp])
@@ -59,21 +59,34 @@ def instances(request: pytest.FixtureRequest, tiny_llama_path: str) -> Iterator[
               "--disaggregation-heartbeat-interval", str(HB_INTERVAL_S),
               "--disaggregation-heartbeat-timeout", str(HB_TIMEOUT_S)]
     prefill = [*common, "--chunked-prefill-size", "32"]
+    fault = ["--disaggregation-fault-spec", "rank=1,fail_post_nth=1"] if request.param == 1 else []
     inst = Instances(
         prefill={1: RoleProcess("prefill_server", model, *prefill),
-                 2: RoleProcess("prefill_server", model, *prefill, "--tp-size", "2")},
+                 2: RoleProcess("prefill_server", model, *prefill, "--tp-size", "2", *fault)},
         decode={1: RoleProcess("decode_server", model, *common),
                 2: RoleProcess("decode_server", model, *common, "--tensor-parallel-size", "2",
                                "--engine-fault-spec", f"slow_step_s={SLOW_STEP_S}")},
-        prefill_args=prefill,
     )
     try:
         for role in inst.all():
             role.wait_healthy()
+        if fault:
+            inst.failed_write = fail_first_post(inst.pair(2, 2))
         yield inst
     finally:
         for role in inst.all():
             role.stop()
+
+
+FAILED_PROMPT_SEED = 9
+
+
+def fail_first_post(pair: PDPair) -> PDResult:
+    """The first room through a prefill TP 2 whose rank 1 fails its first post: sent before any
+    test writes through it, so no other test meets the injected failure."""
+    assert pair.prefill.stat("kv_transfer_rank1_failed_posts") == 0
+    (failed,) = pair.run([pair.body(workload(2, seed=FAILED_PROMPT_SEED)[0], 8)])
+    return failed
 
 
 def workload(n: int, seed: int) -> list[list[int]]:
@@ -132,25 +145,21 @@ def test_each_rank_agent_registers_and_writes_only_its_own_heads(instances: Inst
 
 def test_a_failed_write_of_prefill_rank_1_fails_its_room_only(instances: Instances, tiny_llama_path: str,
                                                               request: pytest.FixtureRequest) -> None:
-    """Rank 1's agent fails its first post (injected): that room fails on both sides, rank 0
-    reports it only after its own writes settled, no page leaks, and the next room goes through."""
-    if request.node.callspec.params["instances"] != 16:
+    """Rank 1's agent fails its first post (injected, page 1's prefill TP 2, see fail_first_post):
+    that room fails on both sides, rank 0 reports it only after its own writes settled, no page
+    leaks, and the next room goes through."""
+    if request.node.callspec.params["instances"] != 1:
         pytest.skip("once is enough: a failed post is the same at any page size")
-    faulty = RoleProcess("prefill_server", Path(tiny_llama_path), *instances.prefill_args, "--tp-size", "2",
-                         "--disaggregation-fault-spec", "rank=1,fail_post_nth=1")
-    try:
-        faulty.wait_healthy()
-        pair = PDPair(faulty, instances.decode[2])
-        prompt = workload(2, seed=9)[0]
-        (failed,) = pair.run([pair.body(prompt, 8)])
-        assert failed.error is not None and failed.prefill_status >= 500, failed
-        assert "injected" in str(failed.error) or "injected" in str(failed.prefill_body), failed
-        assert faulty.stat("kv_transfer_rank1_failed_posts") == 1
-        (ok,) = pair.run([pair.body(prompt, 8)])
-        assert ok.error is None and ok.output_ids == hf_greedy(tiny_llama_path, prompt, 8), ok
-        pair.wait_whole()
-    finally:
-        faulty.stop()
+    pair = instances.pair(2, 2)
+    failed = instances.failed_write
+    assert failed is not None
+    assert failed.error is not None and failed.prefill_status >= 500, failed
+    assert "injected" in str(failed.error) or "injected" in str(failed.prefill_body), failed
+    assert pair.prefill.stat("kv_transfer_rank1_failed_posts") == 1
+    prompt = workload(2, seed=FAILED_PROMPT_SEED)[0]
+    (ok,) = pair.run([pair.body(prompt, 8)])
+    assert ok.error is None and ok.output_ids == hf_greedy(tiny_llama_path, prompt, 8), ok
+    pair.wait_whole()
 
 
 def _rank_pids(engine_pid: int) -> list[int]:

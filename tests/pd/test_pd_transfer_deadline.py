@@ -104,9 +104,9 @@ def hung_prefill_pair(tiny_llama_path: str) -> Iterator[PDPair]:
     """Prefill's first forward never returns; decode's transfer and heartbeat timeouts are long,
     so only prefill's own verdict on its hung engine can fail the rooms quickly."""
     p = start_pair(Path(tiny_llama_path),
-                   ["--page-size", "4", "--engine-fault-spec", "hang,after_steps=0",
+                   ["--page-size", "4", "--max-total-tokens", "256", "--engine-fault-spec", "hang,after_steps=0",
                     "--watchdog-timeout", str(WATCHDOG_S), *HB],
-                   ["--page-size", "4", "--disaggregation-transfer-timeout", "120", *HB])
+                   ["--page-size", "4", "--max-total-tokens", "256", "--disaggregation-transfer-timeout", "120", *HB])
     try:
         yield p
     finally:
@@ -137,8 +137,9 @@ def queued_decode_pair(tiny_llama_path: str) -> Iterator[PDPair]:
     """Decode runs one request at a time, each step 0.5 s slower: a second request waits in its
     prealloc queue (no page ids sent) far longer than prefill's 3 s bootstrap timeout."""
     p = start_pair(Path(tiny_llama_path),
-                   ["--page-size", "4", "--disaggregation-bootstrap-timeout", str(BOOTSTRAP_TIMEOUT_S), *HB],
-                   ["--page-size", "4", "--max-running-requests", "1",
+                   ["--page-size", "4", "--max-total-tokens", "256",
+                    "--disaggregation-bootstrap-timeout", str(BOOTSTRAP_TIMEOUT_S), *HB],
+                   ["--page-size", "4", "--max-total-tokens", "256", "--max-running-requests", "1",
                     "--engine-fault-spec", "slow_step_s=0.5,after_steps=0", *HB])
     try:
         yield p

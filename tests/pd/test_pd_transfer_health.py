@@ -12,7 +12,8 @@ from tests.pd.pd_procs import RoleProcess
 
 
 def test_dead_transfer_thread_turns_health_503(tiny_llama_path: str) -> None:
-    decode = RoleProcess("decode_server", Path(tiny_llama_path), "--disaggregation-fault-spec", "crash_after_s=2")
+    decode = RoleProcess("decode_server", Path(tiny_llama_path), "--max-total-tokens", "256",
+                         "--disaggregation-fault-spec", "crash_after_s=2")
     try:
         decode.wait_healthy()
         deadline = time.monotonic() + 30
