@@ -13,7 +13,7 @@ from typing import Any
 import httpx
 
 from tests.reliability.client import Batch, Job, pd_body, run_jobs
-from tests.reliability.cluster import Cluster
+from tests.reliability.cluster import HOLD_FILE, Cluster
 from tests.reliability.scenario import assert_correct, check_router_serves, hold, prompts
 
 CTX = 1024  # build_tiny_checkpoint's context length
@@ -225,12 +225,16 @@ def test_duplicate_room_is_refused(whole_cluster: Cluster, tiny_llama_path: str)
     c = whole_cluster
     room = 12345678901
     (first_prompt,) = prompts(1, 400, seed=51)
-    first = Batch([Job(c.p_slow, c.d_big, first_prompt, 8, room=room)])
-    hold(c.p_slow, lambda s: s["num_inflight_queue_reqs"] >= 1, "the first request transferring")
-    dup = run_jobs([Job(c.p_slow, c.d_big, prompts(1, 20, seed=52)[0], 4, cancel_prefill=False, room=room)])[0]
-    # a third decode claims the same room at the prefill (another decode's TransferRequest)
-    other = httpx.post(c.d_small.url + "/generate", json=pd_body(c.p_slow, GOOD_IDS, 4, stream=False, room=room),
-                       timeout=60.0)
+    HOLD_FILE.touch()  # the first request's transfer stays in flight (its room live) until both claims are answered
+    try:
+        first = Batch([Job(c.p_slow, c.d_big, first_prompt, 8, room=room)])
+        hold(c.p_slow, lambda s: s["num_inflight_queue_reqs"] >= 1, "the first request transferring")
+        dup = run_jobs([Job(c.p_slow, c.d_big, prompts(1, 20, seed=52)[0], 4, cancel_prefill=False, room=room)])[0]
+        # a third decode claims the same room at the prefill (another decode's TransferRequest)
+        other = httpx.post(c.d_small.url + "/generate", json=pd_body(c.p_slow, GOOD_IDS, 4, stream=False, room=room),
+                           timeout=60.0)
+    finally:
+        HOLD_FILE.unlink(missing_ok=True)
     assert_correct(tiny_llama_path, first.wait())
     for side, text in (("prefill", dup.prefill.error), ("decode", dup.decode.error), ("other decode", other.text)):
         assert text is not None and "duplicate" in text.lower() and str(room) in text, f"{side}: {text}"

@@ -12,7 +12,7 @@ import random
 from collections.abc import Iterator
 from typing import Any
 
-import httpx
+import aiohttp
 import pytest
 
 from tests.engine.reference import hf_greedy
@@ -55,32 +55,31 @@ def _body(prompt: list[int], max_new: int, stream: bool) -> dict[str, Any]:
             "sampling_params": {"max_new_tokens": max_new, "temperature": 0, "ignore_eos": True}}
 
 
-async def _generate(client: httpx.AsyncClient, url: str, body: dict[str, Any]) -> list[int]:
-    if not body["stream"]:
-        r = await client.post(url + "/generate", json=body)
-        assert r.status_code == 200, r.text
-        return list(r.json()["output_ids"])
-    tokens: list[int] = []
-    async with client.stream("POST", url + "/generate", json=body) as r:
-        assert r.status_code == 200, await r.aread()
-        async for line in r.aiter_lines():
-            if line.startswith("data: {"):
-                ev = json.loads(line[6:])
+async def _generate(session: aiohttp.ClientSession, url: str, body: dict[str, Any]) -> list[int]:
+    async with session.post(url + "/generate", json=body) as r:
+        assert r.status == 200, await r.text()
+        if not body["stream"]:
+            return list((await r.json())["output_ids"])
+        tokens: list[int] = []
+        async for raw in r.content:  # one SSE line at a time
+            if raw.startswith(b"data: {"):
+                ev = json.loads(raw[6:])
                 assert "error" not in ev, ev
                 tokens += ev["output_ids"]
-    return tokens
+        return tokens
 
 
 async def _run(url: str, bodies: list[dict[str, Any]], concurrency: int) -> list[list[int]]:
+    """aiohttp, not httpx: a third of the CPU per request in this process (1,000 requests here)."""
     sem = asyncio.Semaphore(concurrency)
 
-    async def one(client: httpx.AsyncClient, body: dict[str, Any]) -> list[int]:
+    async def one(session: aiohttp.ClientSession, body: dict[str, Any]) -> list[int]:
         async with sem:
-            return await _generate(client, url, body)
+            return await _generate(session, url, body)
 
-    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
-    async with httpx.AsyncClient(timeout=120.0, limits=limits) as client:
-        return await asyncio.gather(*(one(client, b) for b in bodies))
+    connector = aiohttp.TCPConnector(limit=concurrency)
+    async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=120.0)) as session:
+        return await asyncio.gather(*(one(session, b) for b in bodies))
 
 
 def test_load_outputs_equal_sequential(whole_cluster: Cluster, load_router: Router, tiny_llama_path: str) -> None:

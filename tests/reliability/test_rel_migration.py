@@ -14,7 +14,6 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -22,7 +21,7 @@ import pytest
 
 from tests.harness.process import stop_all, wait_until
 from tests.reliability.client import RouterBatch, RouterOutcome
-from tests.reliability.cluster import DECODE, HEARTBEAT_BOUND_S, PREFILL, Router
+from tests.reliability.cluster import DECODE, HEARTBEAT_BOUND_S, Cluster, Router
 from tests.reliability.procs import Instance, spawn_all, wait_whole
 from tests.reliability.scenario import prompts
 
@@ -43,20 +42,22 @@ class PD:
 
 
 @pytest.fixture(scope="module")
-def pd(tiny_llama_path: str) -> Iterator[PD]:
-    model = Path(tiny_llama_path)
-    p = Instance("p", "prefill", model, PREFILL)
-    decodes = [Instance(f"d{i}", "decode", model, ["--max-total-tokens", "16384", *DECODE]) for i in (1, 2)]
-    spawn_all([p, *decodes])
+def pd(cluster: Cluster) -> Iterator[PD]:
+    """Two decodes of its own behind the shared cluster's p_fast (never killed here)."""
+    cluster.revive()
+    p = cluster.p_fast
+    decodes = [Instance(f"d{i}", "decode", cluster.model_dir, ["--max-total-tokens", "16384", *DECODE])
+               for i in (1, 2)]
+    spawn_all(decodes)
     routers: list[Router] = []
     try:
         for n in ("1", "0"):
-            routers.append(Router(model, [p], decodes, "--policy", "cache_aware", "--max-migrations", n))
+            routers.append(Router(cluster.model_dir, [p], decodes, "--policy", "cache_aware", "--max-migrations", n))
         for r in routers:
             r.wait_ready()
         yield PD(p, decodes, routers[0], routers[1])
     finally:
-        stop_all([*(r.proc.child for r in routers), *(inst.child for inst in (p, *decodes))])
+        stop_all([*(r.proc.child for r in routers), *(inst.child for inst in decodes)])
 
 
 def _prompts() -> list[list[int]]:
@@ -97,12 +98,14 @@ def _whole(pd: PD) -> None:
 
 
 def test_kill_decode_migrates_every_stream(pd: PD) -> None:
+    p_before = httpx.get(pd.p.url + "/get_load", timeout=10).json()  # the shared prefill has served others
     undisturbed = RouterBatch(pd.r1.url, [(pr, MAX_NEW) for pr in _prompts()], sampling=SAMPLING).wait()
     for o in undisturbed:
         assert o.error is None and len(o.output_ids) == MAX_NEW and o.finish_reason == "length", o
     # the load reports the router reads: real counters from every engine
     p_load = httpx.get(pd.p.url + "/get_load", timeout=10).json()
-    assert p_load["prompt_tokens_total"] >= 32 and p_load["step_seconds_total"] > 0, p_load  # prefix hits not counted
+    counted = {k: p_load[k] - p_before[k] for k in ("prompt_tokens_total", "step_seconds_total")}
+    assert counted["prompt_tokens_total"] >= 32 and counted["step_seconds_total"] > 0, counted  # prefix hits not counted
     for d in pd.decodes:
         d_load = httpx.get(d.url + "/get_load", timeout=10).json()
         assert d_load["max_running_requests"] > 0 and 0 < d_load["kv_free_tokens"] <= d_load["kv_total_tokens"]
