@@ -43,8 +43,6 @@ from common.model.forward_batch import ForwardBatch
 
 logger = logging.getLogger(__name__)
 
-# What max-autotune chooses from: inductor's C++ GEMM template and aten's kernels, timed per shape.
-GEMM_BACKENDS = "CPP,ATEN"
 _ATTENTION: dict[int, tuple[KVPool, AttentionBackend]] = {}
 _KEYS = itertools.count(1)
 
@@ -90,7 +88,7 @@ class CompileCapture(EagerCapture):
         import torch._inductor.config as inductor_config
 
         inductor_config.freezing = True  # weights as constants: the GEMM template packs the plain ones
-        inductor_config.max_autotune_gemm_backends = GEMM_BACKENDS
+        inductor_config.max_autotune_gemm_backends = "CPP,ATEN"
         inductor_config.autotune_num_choices_displayed = 0  # no timing table per shape in the log
         inductor_config.max_autotune_report_choices_stats = False
         torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)

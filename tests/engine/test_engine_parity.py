@@ -10,7 +10,6 @@ import torch
 from common.engine import Engine
 from common.model import packed_linear
 from tests.engine.reference import hf_greedy
-from tests.model.compiled_code import PACKED_MARK, TEMPLATE_MARK, record_compiled_code
 
 
 def workload(vocab: int, n: int, seed: int, *, shared: list[int] | None = None) -> list[list[int]]:
@@ -161,9 +160,8 @@ def test_torch_compile_parity(tiny_llama_path, monkeypatch):
     that two buckets cover both kinds), 2 rows a step compiled around oneDNN's packed linears
     (bucket 2), 3-4 rows and prefill run eagerly on the packed linears; greedy tokens stay equal
     to transformers' (fp32), on the overlap loop whose worker runs what the build thread
-    compiled. The generated code shows the template in bucket 1 and the packed linears in 2."""
+    compiled."""
     monkeypatch.setattr(packed_linear, "COMPILED_TEMPLATE_MAX_ROWS", 1)
-    code = record_compiled_code(monkeypatch)
     path = str(tiny_llama_path)
     engine = Engine(path, dtype="float32", page_size=4, chunked_prefill_size=32, max_total_tokens=4096,
                     max_running_requests=4, enable_torch_compile=True, torch_compile_max_bs=2,
@@ -172,12 +170,10 @@ def test_torch_compile_parity(tiny_llama_path, monkeypatch):
         runner = engine.core.runner
         graphs = runner.decode_graphs
         assert graphs is not None and graphs.buckets.sizes == [1, 2]
-        assert TEMPLATE_MARK in code[1]
         if torch.backends.mkldnn.is_available():
             linears = [m for m in runner.model.modules() if isinstance(m, packed_linear.PackedLinear)]
             assert runner.weights_prepacked and len(linears) > 1
             assert all(m.plain_weight is not None for m in linears)
-            assert PACKED_MARK in code[2] and TEMPLATE_MARK not in code[2]
         check_parity(engine, path, workload(engine.vocab_size, 4, seed=5), 8)  # prefills end apart: 1-4 rows
         check_parity(engine, path, workload(engine.vocab_size, 1, seed=6), 6)
     finally:
