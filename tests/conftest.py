@@ -78,7 +78,8 @@ PROC_PATHS = (
 
 # Files whose tests use the session's `tiny_cluster`: one xdist work unit, so that one worker
 # starts it (router + 1P1D + colocated) instead of each worker its own.
-TINY_CLUSTER_PATHS = ("compat/", "router/test_router_real.py")
+TINY_CLUSTER_PATHS = ("bench/test_soak.py", "compat/", "grammar/test_grammar_e2e.py",
+                      "router/test_router_real.py")
 
 
 def _in(rel: str, paths: tuple[str, ...]) -> bool:

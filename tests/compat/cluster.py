@@ -13,6 +13,10 @@ from tests.harness.process import stop_all
 from tests.pd.pd_procs import PDPair, RoleProcess, start_pair, wait_until
 from tests.router.router_procs import RouterProc
 
+# 64k tokens of tiny-model KV (32 MiB) instead of the default 1 GiB pool: far above what any sharing
+# module has in flight (context 1,024), without zeroing 1 GiB in each of the three instances.
+POOL = ["--max-total-tokens", "65536"]
+
 
 @dataclass
 class Cluster:
@@ -40,12 +44,12 @@ class Cluster:
 @contextmanager
 def running_cluster(model: Path) -> Iterator[Cluster]:
     """Starts the instances together, yields once the router is ready; stops everything after."""
-    colocated = RoleProcess("common.server", model, "--dtype", "float32")
+    colocated = RoleProcess("common.server", model, "--dtype", "float32", *POOL)
     pair = None
     router = None
     cluster = None
     try:
-        pair = start_pair(model, [], [])
+        pair = start_pair(model, POOL, POOL)
         colocated.wait_healthy()
         router = RouterProc(model, ["--prefill", pair.prefill.url, str(pair.prefill.bootstrap_port),
                                     "--decode", pair.decode.url])

@@ -25,12 +25,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 from structured_workload import PROMPTS, SCHEMAS, chat_messages  # noqa: E402
 
 pytestmark = pytest.mark.slow
+# 8k tokens of KV (~360 MiB in float32) instead of the default 1 GiB in each instance: the
+# module's most in flight is its concurrent schema cases, a few hundred tokens each.
+POOL = ["--max-total-tokens", "8192"]
 
 
 @pytest.fixture(scope="module")
 def real_pd(default_model_path: str) -> Iterator[tuple[RouterProc, PDPair]]:
     model = Path(default_model_path)
-    pair = start_pair(model, [], [])
+    pair = start_pair(model, POOL, POOL)
     router = None
     try:
         router = RouterProc(model, ["--prefill", pair.prefill.url, str(pair.prefill.bootstrap_port),

@@ -28,6 +28,7 @@ class PodProcess:
         self.bootstrap_port = free_port() if role == "prefill" else None
         argv = [sys.executable, "-m", f"{role}_server", "--model-path", str(model_dir), "--host", ip,
                 "--port", str(port), "--device", "cpu", "--dtype", "float32", "--page-size", "4",
+                "--max-total-tokens", "16384",
                 "--log-level", os.environ.get("PDSERVE_TEST_LOG_LEVEL", "warning"), *extra]
         if self.bootstrap_port is not None:
             argv += ["--disaggregation-bootstrap-port", str(self.bootstrap_port)]

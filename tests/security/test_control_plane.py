@@ -53,7 +53,8 @@ def secret_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def pair(tiny_llama_path: str, secret_file: Path) -> Iterator[PDPair]:
-    flags = ["--cluster-secret-file", str(secret_file), "--disaggregation-handshake-timeout", str(HANDSHAKE_S)]
+    flags = ["--cluster-secret-file", str(secret_file), "--disaggregation-handshake-timeout", str(HANDSHAKE_S),
+             "--max-total-tokens", "16384"]  # not the default 1 GiB pool: a few short requests use it
     pd = start_pair(Path(tiny_llama_path), flags, flags)
     try:
         yield pd

@@ -56,6 +56,18 @@ def router(long_ctx_model: Path, stubs: tuple[StubWorker, StubWorker]) -> Iterat
         r.stop()
 
 
+@pytest.fixture(scope="module")
+def opted(long_ctx_model: Path, stubs: tuple[StubWorker, StubWorker]) -> Iterator[RouterProc]:
+    """One router with the two independent opt-ins (priority, docs) that L4 and L11 check."""
+    p, d = stubs
+    r = RouterProc(long_ctx_model, pd_args([p], [d], *FAST, "--enable-priority-scheduling", "--enable-docs"))
+    try:
+        r.wait_ready()
+        yield r
+    finally:
+        r.stop()
+
+
 def _leaks(text: str, *workers: StubWorker) -> list[str]:
     needles = ["127.0.0.1", "stub failure", *(str(w.port) for w in workers)]
     return [n for n in needles if n in text]
@@ -101,22 +113,17 @@ def test_l12_worker_5xx_text_stays_in_the_log(router: RouterProc, stubs: tuple[S
     assert httpx.post(router.url + "/v1/completions", json=COMP, timeout=30).status_code == 200
 
 
-def test_l4_priority_needs_the_operator(long_ctx_model: Path, router: RouterProc,
+def test_l4_priority_needs_the_operator(router: RouterProc, opted: RouterProc,
                                         stubs: tuple[StubWorker, StubWorker]) -> None:
-    p, d = stubs
+    _, d = stubs
     before = d.stats()["generate"]
     resp = httpx.post(router.url + "/generate", json={"text": "Hi", "priority": 100}, timeout=30)
     assert resp.status_code == 400 and resp.json()["error"]["param"] == "priority", resp.text
     assert "--enable-priority-scheduling" in resp.text
     assert d.stats()["generate"] == before
-    opted = RouterProc(long_ctx_model, pd_args([p], [d], *FAST, "--enable-priority-scheduling"))
-    try:
-        opted.wait_ready()
-        resp = httpx.post(opted.url + "/generate", json={"text": "Hi", "priority": 100}, timeout=30)
-        assert resp.status_code == 200, resp.text
-        assert (d.stats()["last_body"] or {}).get("priority") == 100
-    finally:
-        opted.stop()
+    resp = httpx.post(opted.url + "/generate", json={"text": "Hi", "priority": 100}, timeout=30)
+    assert resp.status_code == 200, resp.text
+    assert (d.stats()["last_body"] or {}).get("priority") == 100
 
 
 def test_l3_cache_salt_is_refused(router: RouterProc, stubs: tuple[StubWorker, StubWorker]) -> None:
@@ -131,17 +138,11 @@ def test_l3_cache_salt_is_refused(router: RouterProc, stubs: tuple[StubWorker, S
     assert d.stats()["generate"] == before
 
 
-def test_l11_no_cdn_docs_by_default(long_ctx_model: Path, router: RouterProc,
-                                    stubs: tuple[StubWorker, StubWorker]) -> None:
+def test_l11_no_cdn_docs_by_default(router: RouterProc, opted: RouterProc) -> None:
     assert httpx.get(router.url + "/docs").status_code == 404
     assert "/generate" in httpx.get(router.url + "/openapi.json").json()["paths"]
-    p, d = stubs
-    opted = RouterProc(long_ctx_model, pd_args([p], [d], "--enable-docs"))
-    try:
-        docs = httpx.get(opted.url + "/docs")
-        assert docs.status_code == 200 and "swagger" in docs.text.lower()
-    finally:
-        opted.stop()
+    docs = httpx.get(opted.url + "/docs")
+    assert docs.status_code == 200 and "swagger" in docs.text.lower()
 
 
 def test_l8_tokenizer_config_names_only_tokenizers(long_ctx_model: Path, tmp_path: Path) -> None:

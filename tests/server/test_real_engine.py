@@ -15,6 +15,7 @@ from tests.server.http_checks import engine_stat, generate_merged
 from tests.server.server_procs import ServerProcess, wait_until
 
 ENGINE = "common.server.engine_process:engine_main"
+SHARED_CONTEXT = 960
 
 
 @pytest.fixture
@@ -33,6 +34,21 @@ def real_server(tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> Iterat
     finally:
         for s in started:
             s.stop()
+
+
+@pytest.fixture(scope="module")
+def shared_server(tiny_model_dir: Path) -> Iterator[ServerProcess]:
+    """One instance for the tests that need no flags of their own. --context-length 960 is below the
+    model's 1,024, so a 1,000-token prompt is refused only if the flag reaches the frontend."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("PDSERVE_TEST_ENGINE", ENGINE)
+        server = ServerProcess(tiny_model_dir, "--dtype", "float32", "--device", "cpu", "--page-size", "4",
+                               "--max-total-tokens", "4096", "--context-length", str(SHARED_CONTEXT))
+    try:
+        server.wait_healthy()
+        yield server
+    finally:
+        server.stop()
 
 
 def prompts(n: int, seed: int, vocab: int = 384) -> list[list[int]]:
@@ -90,8 +106,8 @@ def test_retractions_under_a_small_pool_keep_outputs_exact(real_server, tiny_mod
     wait_idle_and_whole(server)
 
 
-def test_client_disconnect_mid_stream_aborts_and_frees(real_server) -> None:
-    server = real_server("--page-size", "4", "--max-total-tokens", "4096")
+def test_client_disconnect_mid_stream_aborts_and_frees(shared_server: ServerProcess) -> None:
+    server = shared_server
     payload = {"input_ids": list(range(5, 60)), "stream": True,
                "sampling_params": {"max_new_tokens": 900, "temperature": 0, "ignore_eos": True}}
     with httpx.Client(base_url=server.url, timeout=30.0) as client:
@@ -109,10 +125,10 @@ def test_client_disconnect_mid_stream_aborts_and_frees(real_server) -> None:
     assert r.status_code == 200
 
 
-def test_bad_input_to_real_engine(real_server) -> None:
-    server = real_server("--page-size", "16", "--max-total-tokens", "2048", "--context-length", "128")
+def test_bad_input_to_real_engine(shared_server: ServerProcess) -> None:
+    server = shared_server
     cases = [
-        {"input_ids": [1] * 200, "sampling_params": {"max_new_tokens": 2}},
+        {"input_ids": [1] * (SHARED_CONTEXT + 40), "sampling_params": {"max_new_tokens": 2}},
         {"input_ids": [10**6], "sampling_params": {"max_new_tokens": 2}},
         {"text": "hi", "sampling_params": {"max_new_tokens": -3}},
         {"text": "hi", "sampling_params": {"temperature": "hot"}},
