@@ -165,8 +165,8 @@ def tiny_mistral_path(tiny_checkpoint: Callable[[str], str]) -> str:
 
 @pytest.fixture(scope="session")
 def tiny_cluster(tiny_llama_path: str) -> Iterator[Any]:
-    """1P1D behind a router plus a colocated instance, tiny llama, float32, default flags
-    (tests/compat/cluster.py), shared by the modules that only send requests to it. Each such
+    """1P1D behind a router plus a colocated instance, tiny llama, float32, default flags but a
+    64k-token KV pool (tests/compat/cluster.py), shared by the modules that only send requests to it. Each such
     module keeps its requests to itself and checks the cluster whole when done."""
     from tests.compat.cluster import running_cluster
 
