@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import heapq
-from array import array
 import itertools
+from array import array
 
 from common.cache.errors import PoolInvariantError
 
