@@ -50,6 +50,7 @@ from common.scheduler.model_worker import TorchModelWorker
 from common.scheduler.role import COLOCATED, RoleSpec, SchedulerParts, TransferLink
 from common.scheduler.scheduler import OutputSink, Scheduler
 from common.scheduler.tp_worker import TPLeaderWorker
+from common.server.heap_trim import HeapTrimmer
 from common.server.kv_event_publisher import KVEventPublisher
 from common.server.server_args import ServerArgs
 from common.server.tp_ranks import TPRanks, init_tp_group, set_rank_threads
@@ -77,6 +78,7 @@ class EngineCore:
     runner: ModelRunner
     kv_events: KVEventPublisher | None = None  # instances with a prefix cache: its contents, for the router
     tp_ranks: TPRanks | None = None  # --tp-size > 1: ranks 1..N-1 (this process is rank 0)
+    heap_trimmer: HeapTrimmer = dataclasses.field(default_factory=lambda: HeapTrimmer(0.0))
 
     def run_iteration(self, phase: Callable[[str], AbstractContextManager[object]] = _no_phase) -> None:
         """One engine-loop iteration after the inputs were taken in: poll the role's transfers,
@@ -98,6 +100,9 @@ class EngineCore:
         if not self.scheduler.has_work:
             with phase("idle checks"):
                 self.scheduler.on_idle()  # reset new_token_ratio, check the pools once per idle spell
+                self.heap_trimmer.idle()
+        else:
+            self.heap_trimmer.busy()
 
     def shutdown(self) -> None:
         """The engine first (no step may still read or write KV), then the transfer manager."""
@@ -346,5 +351,5 @@ def _build_engine_core(
     return EngineCore(
         args=args, model_path=rw.model_path, model_config=config, kv_pool=kv_pool, role=role,
         scheduler=built.scheduler, transfer=built.transfer, executor=executor, runner=runner, kv_events=kv_events,
-        tp_ranks=tp_ranks,
+        tp_ranks=tp_ranks, heap_trimmer=HeapTrimmer(args.malloc_trim_interval),
     )

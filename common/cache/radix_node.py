@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+from array import array
 
 from common.cache.errors import PoolInvariantError
 
@@ -11,7 +12,7 @@ _node_ids = itertools.count()
 
 
 class TreeNode:
-    """One edge of the radix tree: `key` token ids and the token slots holding their KV.
+    """One edge of the radix tree: `key` token ids and the token slots holding their KV (int32 arrays).
 
     len(key) == len(value), a whole number of pages. `lock_ref` counts the running
     requests whose matched prefix ends at or below this node; NOTE: a parent's
@@ -22,7 +23,7 @@ class TreeNode:
 
     __slots__ = ("children", "parent", "key", "value", "lock_ref", "last_access", "id", "hashes")
 
-    def __init__(self, key: list[int], value: list[int], parent: TreeNode | None, last_access: int) -> None:
+    def __init__(self, key: array[int], value: array[int], parent: TreeNode | None, last_access: int) -> None:
         self.children: dict[int | tuple[int, ...], TreeNode] = {}
         self.parent = parent
         self.key = key
@@ -33,7 +34,7 @@ class TreeNode:
         self.hashes: list[int] = []  # chain hash of each page (common/cache/kv_events.py), when events are on
 
     def __repr__(self) -> str:
-        head = self.key[:8]
+        head = self.key[:8].tolist()
         more = "..." if len(self.key) > 8 else ""
         return f"TreeNode(id={self.id}, key={head}{more} ({len(self.key)} tokens), lock_ref={self.lock_ref})"
 

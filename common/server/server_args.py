@@ -84,6 +84,7 @@ class ServerArgs:
     torch_compile_max_bs: int = 32
     quantization: str | None = None
     cpu_prefill_row_bucket: int = 64
+    malloc_trim_interval: float = 10.0
     random_seed: int | None = None
     grammar_backend: str = "xgrammar"
     # Prefill/decode disaggregation
@@ -170,6 +171,8 @@ class ServerArgs:
             return f"--kv-events-port must be in [0, 65535], got {self.kv_events_port}"
         if self.disaggregation_local_prefill_max_tokens < 0:
             return f"--disaggregation-local-prefill-max-tokens must be >= 0, got {self.disaggregation_local_prefill_max_tokens}"
+        if self.malloc_trim_interval < 0:
+            return f"--malloc-trim-interval must be >= 0, got {self.malloc_trim_interval}"
         if self.cpu_prefill_row_bucket < 0:
             return f"--cpu-prefill-row-bucket must be >= 0, got {self.cpu_prefill_row_bucket}"
         if self.swap_space < 0:
@@ -319,6 +322,8 @@ _HELP: dict[str, str] = {
     "enable_torch_compile": "CPU: compile the decode step with torch.compile (inductor) at startup, one graph per "
     "batch-size bucket up to --torch-compile-max-bs (cached under TORCHINDUCTOR_CACHE_DIR)",
     "torch_compile_max_bs": "largest decode batch run through a compiled step (larger ones run eagerly)",
+    "malloc_trim_interval": "seconds between glibc malloc_trim(0) calls when the engine goes idle, which give "
+    "the freed C heap back to the OS (0: never)",
     "cpu_prefill_row_bucket": "CPU: prefill forwards pad each linear's rows to a power of two below this, a "
     "multiple of it above, so oneDNN builds a bounded set of GEMM shapes (0: off; README, prefill memory)",
     "random_seed": "seed for sampling",

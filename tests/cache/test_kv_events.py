@@ -28,7 +28,7 @@ def tree_hashes(radix: RadixCache) -> set[int]:
     while stack:
         node, path = stack.pop()
         for child in node.children.values():
-            full = path + child.key
+            full = path + child.key.tolist()
             out.update(page_hashes(full, PAGE)[len(path) // PAGE:])
             stack.append((child, full))
     return out

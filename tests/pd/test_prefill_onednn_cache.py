@@ -17,7 +17,13 @@ from pathlib import Path
 
 import pytest
 
-from prefill_server.onednn_cache import ENV_VAR, PREFILL_CAPACITY, limit_primitive_cache
+from prefill_server.onednn_cache import (
+    ENV_VAR,
+    IDEEP_CAPACITY,
+    IDEEP_ENV_VAR,
+    PREFILL_CAPACITY,
+    limit_primitive_cache,
+)
 from tests.pd.pd_procs import REPO_ROOT, RoleProcess
 
 PROBE = """
@@ -35,24 +41,30 @@ def engine_environ(pid: int) -> dict[str, str]:
     return dict(item.decode().split("=", 1) for item in raw if b"=" in item)
 
 
-@pytest.mark.parametrize(("module", "expected"), [("prefill_server", str(PREFILL_CAPACITY)), ("decode_server", None)])
+@pytest.mark.parametrize(("module", "expected"), [
+    ("prefill_server", {ENV_VAR: str(PREFILL_CAPACITY), IDEEP_ENV_VAR: str(IDEEP_CAPACITY)}),
+    ("decode_server", {ENV_VAR: None, IDEEP_ENV_VAR: None}),
+])
 def test_the_prefill_engine_process_starts_with_a_small_primitive_cache(tiny_llama_path: str, module: str,
-                                                                         expected: str | None,
+                                                                         expected: dict[str, str | None],
                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(ENV_VAR, raising=False)
+    monkeypatch.delenv(IDEEP_ENV_VAR, raising=False)
     role = RoleProcess(module, Path(tiny_llama_path), "--max-total-tokens", "2048")
     try:
         role.wait_healthy()
-        assert engine_environ(role.engine_pid()).get(ENV_VAR) == expected
+        environ = engine_environ(role.engine_pid())
+        assert {name: environ.get(name) for name in expected} == expected
     finally:
         role.stop()
 
 
 def test_a_capacity_the_user_exported_wins() -> None:
-    env = {ENV_VAR: "8"}
-    assert limit_primitive_cache(env) == "8" and env == {ENV_VAR: "8"}
+    env = {ENV_VAR: "8", IDEEP_ENV_VAR: "4"}
+    assert limit_primitive_cache(env) == "8" and env == {ENV_VAR: "8", IDEEP_ENV_VAR: "4"}
     env = {}
-    assert limit_primitive_cache(env) == str(PREFILL_CAPACITY) and env == {ENV_VAR: str(PREFILL_CAPACITY)}
+    assert limit_primitive_cache(env) == str(PREFILL_CAPACITY)
+    assert env == {ENV_VAR: str(PREFILL_CAPACITY), IDEEP_ENV_VAR: str(IDEEP_CAPACITY)}
 
 
 @pytest.mark.parametrize(("capacity", "last_create"), [("2", "create:cache_miss"), ("1024", "create:cache_hit")])
