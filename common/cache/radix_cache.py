@@ -71,7 +71,7 @@ def as_ids(xs: Ints) -> array[int]:
     """A compact int32 copy: 4 bytes a token in the tree where a list of ints costs ~40."""
     if isinstance(xs, array) and xs.typecode == "i":
         return xs
-    if isinstance(xs, list | Sequence):
+    if isinstance(xs, Sequence):
         return array("i", xs)
     return array("i", xs.tolist())  # numpy arrays and torch tensors, without importing either
 

@@ -12,11 +12,8 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
-import logging
 import time
 from collections.abc import Callable
-
-logger = logging.getLogger(__name__)
 
 
 def load_malloc_trim() -> Callable[[int], int] | None:
@@ -42,7 +39,6 @@ class HeapTrimmer:
         self._last = -float("inf")
         self._dirty = False
         self.trims = 0
-        self.trim_s = 0.0  # seconds spent in malloc_trim, all calls
 
     @property
     def enabled(self) -> bool:
@@ -59,9 +55,7 @@ class HeapTrimmer:
         if now - self._last < self.interval_s:
             return False
         assert self._trim is not None
-        start = time.perf_counter()
         self._trim(0)
-        self.trim_s += time.perf_counter() - start
         self._last, self._dirty = now, False
         self.trims += 1
         return True
