@@ -3,7 +3,6 @@ outcomes against transformers, and the router's view of a dead / revived worker.
 
 from __future__ import annotations
 
-import functools
 import random
 from collections.abc import Callable
 
@@ -21,17 +20,6 @@ StatePred = Callable[[dict[str, float]], bool]
 def prompts(n: int, length: int, seed: int) -> list[list[int]]:
     rng = random.Random(seed)
     return [[rng.randrange(3, VOCAB) for _ in range(length)] for _ in range(n)]
-
-
-@functools.lru_cache(maxsize=256)
-def _greedy(model: str, prompt: tuple[int, ...], max_new: int) -> tuple[int, ...]:
-    return tuple(hf_greedy(model, list(prompt), max_new))
-
-
-def greedy(model: str, prompt: list[int], max_new: int) -> list[int]:
-    """transformers' greedy output, computed once per (prompt, max_new): the router checks of
-    every scenario send the same prompts."""
-    return list(_greedy(model, tuple(prompt), max_new))
 
 
 def hold(inst: Instance, pred: StatePred, what: str, timeout_s: float = 15.0) -> dict[str, float]:
@@ -52,7 +40,7 @@ def assert_correct(model: str, outcomes: list[Outcome], sample: int | None = Non
     for o in outcomes:
         assert o.ok, f"request failed or was cut short: prefill={o.prefill} decode={o.decode}"
     for o in outcomes[:sample]:
-        assert o.output_ids == greedy(model, o.prompt, o.max_new)
+        assert o.output_ids == hf_greedy(model, o.prompt, o.max_new)
 
 
 def assert_failed_within(outcomes: list[Outcome], since: float, bound_s: float, *, side: str = "decode",
@@ -65,7 +53,7 @@ def assert_failed_within(outcomes: list[Outcome], since: float, bound_s: float, 
     for o in outcomes:
         s = o.decode if side == "decode" else o.prefill
         if o.ok and o.decode.done_at is not None and model is not None:
-            assert o.output_ids == greedy(model, o.prompt, o.max_new), f"finished before the fault, wrong: {o}"
+            assert o.output_ids == hf_greedy(model, o.prompt, o.max_new), f"finished before the fault, wrong: {o}"
             continue
         assert s.error is not None or s.status >= 400, f"{side} did not report an error: {o}"
         assert s.done_at is not None and s.done_at - since <= bound_s, (
@@ -86,7 +74,7 @@ def check_router_serves(cluster: Cluster, model: str, n: int, seed: int = 99) ->
         for prompt in prompts(n, 12, seed):
             r = cluster.router.generate(client, prompt, 6)
             assert r.status_code == 200, f"{r.text}\nworkers: {cluster.router.workers()}"
-            assert r.json()["output_ids"] == greedy(model, prompt, 6)
+            assert r.json()["output_ids"] == hf_greedy(model, prompt, 6)
 
 
 def router_recovers(cluster: Cluster, victim: Instance, model: str) -> None:

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import httpx
 import pytest
 
+from tests.engine.reference import hf_greedy
 from tests.reliability.client import Batch, Job, RouterBatch, RouterOutcome
 from tests.reliability.cluster import HEARTBEAT_BOUND_S, HOLD_FILE, Cluster
 from tests.reliability.procs import Instance
@@ -34,7 +35,6 @@ from tests.reliability.scenario import (
     StatePred,
     assert_correct,
     assert_failed_within,
-    greedy,
     hold,
     prompts,
     router_recovers,
@@ -195,7 +195,7 @@ def _check_routed(case: Case, outcomes: list[RouterOutcome], t_kill: float, mode
     cut = 0
     for o in outcomes:
         if o.error is None:
-            assert o.output_ids == greedy(model, o.prompt, o.max_new)
+            assert o.output_ids == hf_greedy(model, o.prompt, o.max_new)
             continue
         assert case.router[0] == "cut", f"the router did not retry or migrate the stream: {o.error}"
         assert o.status == 200 and o.done_at is not None and o.done_at - t_kill <= HEARTBEAT_BOUND_S, o
