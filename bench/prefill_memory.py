@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
 
-from bench.machine_info import cpu_name
+from machine_info import cpu_name
 
 
 @dataclass(frozen=True)
@@ -33,6 +33,7 @@ class Mode:
     cache_capacity: int | None  # None: leave the env as the process found it
     bucket: int = 0  # round prompt lengths up to a multiple of this (0: as drawn)
     row_bucket: int = 0  # --cpu-prefill-row-bucket of the engine (0: off)
+    mmap_threshold: int = 0  # MALLOC_MMAP_THRESHOLD_ of the engine process, bytes (0: glibc's dynamic one)
 
 
 def rss_mib() -> float:
@@ -83,23 +84,26 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--bucket", type=int, default=64)
     ap.add_argument("--modes", default="default,cache16,cache64,bucketed",
                     help="default, cacheN (ONEDNN_PRIMITIVE_CACHE_CAPACITY=N), bucketed (prompts rounded up to "
-                         "--bucket), rowsN (--cpu-prefill-row-bucket N); '+' combines: cache16+rows64")
+                         "--bucket), rowsN (--cpu-prefill-row-bucket N), mmapN (MALLOC_MMAP_THRESHOLD_=N bytes); "
+                         "'+' combines: cache16+rows64")
     return ap.parse_args(argv)
 
 
 def make_mode(name: str, bucket: int) -> Mode:
-    """default | cacheN | bucketed | rowsN (--cpu-prefill-row-bucket N); joined with '+'."""
-    cache, prompt_bucket, rows = None, 0, 0
+    """default | cacheN | bucketed | rowsN (--cpu-prefill-row-bucket N) | mmapN; joined with '+'."""
+    cache, prompt_bucket, rows, mmap = None, 0, 0, 0
     for part in name.split("+"):
         if part.startswith("cache"):
             cache = int(part.removeprefix("cache"))
         elif part.startswith("rows"):
             rows = int(part.removeprefix("rows"))
+        elif part.startswith("mmap"):
+            mmap = int(part.removeprefix("mmap"))
         elif part == "bucketed":
             prompt_bucket = bucket
         elif part != "default":
             raise SystemExit(f"unknown mode {name!r}")
-    return Mode(name, cache, prompt_bucket, rows)
+    return Mode(name, cache, prompt_bucket, rows, mmap)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -112,7 +116,12 @@ def main(argv: list[str] | None = None) -> None:
     for mode in modes:
         parent, kid = ctx.Pipe()
         proc = ctx.Process(target=child, args=(mode, args.model_path, args.dtype, kid), daemon=True)
+        # glibc reads it when the process starts: the spawned child inherits it from here
+        os.environ.pop("MALLOC_MMAP_THRESHOLD_", None)
+        if mode.mmap_threshold:
+            os.environ["MALLOC_MMAP_THRESHOLD_"] = str(mode.mmap_threshold)
         proc.start()
+        os.environ.pop("MALLOC_MMAP_THRESHOLD_", None)
         pipes.append(parent)
         procs.append(proc)
     for p in pipes:

@@ -16,7 +16,8 @@ import random
 import time
 import tracemalloc
 
-from bench.machine_info import cpu_name
+from machine_info import cpu_name
+
 from common.cache.page_allocator import PageAllocator
 from common.cache.radix_cache import RadixCache
 

@@ -4,7 +4,8 @@
 - kv_transfer never imports common/scheduler (a transfer backend knows pages, not requests);
 - the router and an instance's HTTP frontend import neither torch nor transformers (checked in a
   fresh interpreter that also loads the tokenizer and renders a chat template): they only tokenize;
-- per-role request state is typed: no `req.extra[...]` string keys anywhere.
+- per-role request state is typed: no `req.extra[...]` string keys anywhere;
+- benchmark scripts run as `python bench/X.py`: they never import the `bench` package.
 """
 
 from __future__ import annotations
@@ -42,6 +43,16 @@ def test_lower_layers_do_not_import_upper_ones(package: str, forbidden: str) -> 
     bad = {f: sorted(m for m in mods if m == forbidden or m.startswith(forbidden + "."))
            for f, mods in imported_modules(package).items()}
     assert not {f: m for f, m in bad.items() if m}, bad
+
+
+def test_bench_scripts_do_not_import_the_bench_package() -> None:
+    """`python bench/X.py` (every benchmark's documented command) puts bench/ on sys.path, not the
+    repo root: a script importing `bench.something` stops with ModuleNotFoundError before it
+    starts (bench/radix_memory.py and prefill_memory.py did). Siblings are imported by module name."""
+    scripts = imported_modules("bench")
+    bad = {f: sorted(m for m in mods if m == "bench" or m.startswith("bench."))
+           for f, mods in scripts.items() if not Path(f).name.startswith("test_")}
+    assert len(scripts) > 10 and not {f: m for f, m in bad.items() if m}, bad
 
 
 def test_no_string_keyed_request_state() -> None:
