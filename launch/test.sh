@@ -34,11 +34,11 @@ tier() {
   echo "== tier $1: $((SECONDS - start)) s; process starts by kind:" $(cut -f1 "$starts" | sort | uniq -c | sort -rn)
   rm -f "$starts"
 }
-# Two workers, whole files each (module-scoped fixtures stay in one process): a serial tier
-# waits on process starts, sockets and compiles much of its time (unit 92 -> 49 s, proc 709 ->
-# 546 s). The reliability tier shares one cluster and stays serial. `slow` tests (the real
-# default model) run in their file's tier; `-m "unit and not slow"` is the quick loop.
-# One worker per core, 2 to 4: the 2-core boxes get the two this was measured with.
+# xdist workers, whole files each (module-scoped fixtures stay in one process): a serial tier
+# waits on process starts, sockets and compiles much of its time (2 workers on 2 cores: unit
+# 92 -> 49 s, proc 709 -> 546 s). One worker per core, 2 to 4 (a bigger CI box needs no change).
+# The reliability tier shares one cluster and stays serial. `slow` tests (the real default
+# model) run in their file's tier; `-m "unit and not slow"` is the quick loop.
 workers=$(nproc)
 workers=$((workers < 2 ? 2 : workers > 4 ? 4 : workers))
 tier "unit" -n "$workers" --dist loadfile
