@@ -16,7 +16,8 @@ import httpx
 
 from tests.harness.process import REPO_ROOT, ChildProcess, free_port, stop_all, wait_until
 
-__all__ = ["REPO_ROOT", "START_TIMEOUT_S", "PDPair", "PDResult", "RoleProcess", "free_port", "start_pair", "wait_until"]
+__all__ = ["REPO_ROOT", "START_TIMEOUT_S", "PDPair", "PDResult", "RoleProcess", "free_port", "start_pair",
+           "wait_healthy_or_stop", "wait_until"]
 
 START_TIMEOUT_S = 120.0
 
@@ -146,14 +147,20 @@ class PDPair:
         stop_all([self.prefill.child, self.decode.child])
 
 
+def wait_healthy_or_stop(*roles: RoleProcess) -> None:
+    """Waits for every role (started already, so their starts overlap); if any fails to come up,
+    stops them all before the error propagates: a fixture never leaks a half-started set."""
+    try:
+        for role in roles:
+            role.wait_healthy()
+    except Exception:
+        stop_all([role.child for role in roles])
+        raise
+
+
 def start_pair(model_dir: Path, prefill_flags: list[str], decode_flags: list[str]) -> PDPair:
     common = ["--dtype", "float32"]
     pair = PDPair(RoleProcess("prefill_server", model_dir, *common, *prefill_flags),
                   RoleProcess("decode_server", model_dir, *common, *decode_flags))
-    try:
-        pair.prefill.wait_healthy()
-        pair.decode.wait_healthy()
-    except Exception:
-        pair.stop()
-        raise
+    wait_healthy_or_stop(pair.prefill, pair.decode)
     return pair

@@ -21,7 +21,7 @@ import pytest
 
 from common.engine import Engine
 from tests.engine.reference import hf_greedy
-from tests.pd.pd_procs import PDPair, RoleProcess, start_pair
+from tests.pd.pd_procs import PDPair, RoleProcess, start_pair, wait_healthy_or_stop
 
 VOCAB = 384
 SAMPLED = {"temperature": 0.9, "top_p": 0.95, "top_k": 50, "seed": 1234, "frequency_penalty": 0.5,
@@ -44,19 +44,15 @@ PREFILL16 = ["--page-size", "16", "--chunked-prefill-size", "32", "--max-total-t
 
 def start_decode(prefill: RoleProcess, model_dir: Path, flags: list[str]) -> PDPair:
     decode = RoleProcess("decode_server", model_dir, "--dtype", "float32", *flags)
-    try:
-        decode.wait_healthy()
-    except Exception:
-        decode.stop()
-        raise
+    wait_healthy_or_stop(decode)
     return PDPair(prefill, decode)
 
 
 @pytest.fixture(scope="module")
 def prefill16(tiny_llama_path: str) -> Iterator[RoleProcess]:
     role = RoleProcess("prefill_server", Path(tiny_llama_path), "--dtype", "float32", *PREFILL16)
+    wait_healthy_or_stop(role)
     try:
-        role.wait_healthy()
         yield role
     finally:
         role.stop()
