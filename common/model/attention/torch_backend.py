@@ -33,6 +33,25 @@ MAX_CUT_POINTS = 16
 # cache-sized pieces ran 1.1-1.5x faster than over one gather of 32-64 rows of equal length
 # 500 (bench/attention_cpu.py, "uniform").
 MAX_GROUP_KV_ROWS = 4096
+# torch's CPU flash attention computes bf16/fp16 through oneDNN brgemm micro-kernels, one per
+# (query rows, key rows) block shape, kept in a per-thread cache that never evicts
+# (at::native::cpublas::Brgemm). Extends of every length built ~90 KiB of kernels per new shape
+# in the model-worker thread for as long as the engine ran (the prefill soak's RSS slope,
+# README). Padding each extend's queries and keys to a multiple of this bounds the shapes to a
+# few dozen; the padding is masked out (keys) or dropped (query rows).
+REDUCED_PRECISION_EXTEND_PAD = 64
+
+
+def extend_pad_rows(device: torch.device, dtype: torch.dtype) -> int:
+    """Rows each extend's queries and keys are padded to a multiple of (1: not padded). fp32
+    computes through plain GEMMs (no cached kernels) and keeps its exact, unpadded path."""
+    if device.type == "cpu" and dtype in (torch.bfloat16, torch.float16):
+        return REDUCED_PRECISION_EXTEND_PAD
+    return 1
+
+
+def round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
 
 
 def decode_groups(lengths: list[int]) -> list[list[int]]:
@@ -84,8 +103,9 @@ class _DecodeGroup:
 class _ExtendSeq:
     start: int  # first row in the packed tokens
     length: int  # extend tokens
-    kv_rows: torch.Tensor  # [seq_len] int64 layer-0 K rows (KVPool.slot_base) of the whole sequence
-    mask: torch.Tensor | None  # [length, seq_len] bool; None = plain causal (no prefix)
+    padded_length: int  # query rows SDPA computes (extend_pad_rows); rows past `length` are dropped
+    kv_rows: torch.Tensor  # [padded seq_len] int64 layer-0 K rows (KVPool.slot_base); padding repeats row 0
+    mask: torch.Tensor | None  # [padded_length, padded seq_len] bool; None = plain causal (no prefix)
 
 
 class TorchAttentionBackend(AttentionBackend):
@@ -95,6 +115,7 @@ class TorchAttentionBackend(AttentionBackend):
         super().__init__(shape=shape, kv_pool=kv_pool, req_to_token=req_to_token, streams=streams)
         self._decode: list[_DecodeGroup] = []
         self._extends: list[_ExtendSeq] = []
+        self._extend_pad = extend_pad_rows(kv_pool.device, kv_pool.dtype)
 
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
         device = batch.input_ids.device
@@ -137,10 +158,19 @@ class TorchAttentionBackend(AttentionBackend):
         self._extends = []
         for r in multi:
             e, p, s = ext[r], batch.prefix_lens_cpu[r], batch.seq_lens_cpu[r]
+            e_pad, s_pad = round_up(e, self._extend_pad), round_up(s, self._extend_pad)
+            kv_rows = self.kv_pool.slot_base(table[r, :s])
             mask: torch.Tensor | None = None
-            if p > 0:
-                mask = torch.arange(s, device=device)[None, :] <= (p + torch.arange(e, device=device))[:, None]
-            self._extends.append(_ExtendSeq(start=starts[r], length=e, kv_rows=self.kv_pool.slot_base(table[r, :s]), mask=mask))
+            if p > 0:  # padded keys (j >= s) are masked out; padded query rows see the real ones
+                j = torch.arange(s_pad, device=device)[None, :]
+                mask = (j <= p + torch.arange(e_pad, device=device)[:, None]) & (j < s)
+            else:  # square causal: padded keys are visible to padded query rows only
+                s_pad = e_pad
+            if s_pad > s:
+                kv_rows = torch.cat([kv_rows, kv_rows[:1].expand(s_pad - s)])
+            self._extends.append(
+                _ExtendSeq(start=starts[r], length=e, padded_length=e_pad, kv_rows=kv_rows, mask=mask)
+            )
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, batch: ForwardBatch
@@ -157,8 +187,11 @@ class TorchAttentionBackend(AttentionBackend):
             vv = self._gather(pool.rows, seq.kv_rows + v_row, q.dtype).transpose(0, 1)
             # 4-D ([1, H, e, D]): with 3-D inputs torch's CPU SDPA takes its math path, 3x
             # slower for a 512-token chunk over a 1.5k prefix (bench/attention_cpu.py).
+            qs = q[rows]
+            if seq.padded_length > seq.length:
+                qs = torch.cat([qs, qs.new_zeros(seq.padded_length - seq.length, num_heads, head_dim)])
             o = F.scaled_dot_product_attention(
-                q[rows].transpose(0, 1)[None],  # [1, H, e, D]
+                qs.transpose(0, 1)[None],  # [1, H, e, D]
                 kk[None],
                 vv[None],
                 attn_mask=seq.mask,
@@ -166,7 +199,7 @@ class TorchAttentionBackend(AttentionBackend):
                 scale=self.shape.scaling,
                 enable_gqa=True,
             )[0]
-            out[rows] = o.transpose(0, 1).reshape(seq.length, num_heads * head_dim)
+            out[rows] = o[:, : seq.length].transpose(0, 1).reshape(seq.length, num_heads * head_dim)
         return out
 
     def _forward_decode(self, q: torch.Tensor, layer: int, out: torch.Tensor, g: _DecodeGroup) -> None:
