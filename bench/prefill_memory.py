@@ -34,6 +34,7 @@ class Mode:
     bucket: int = 0  # round prompt lengths up to a multiple of this (0: as drawn)
     row_bucket: int = 0  # --cpu-prefill-row-bucket of the engine (0: off)
     mmap_threshold: int = 0  # MALLOC_MMAP_THRESHOLD_ of the engine process, bytes (0: glibc's dynamic one)
+    attn_pad: int = 0  # bf16/fp16 extend attention padded to this many rows (0: the engine's own, 1: none)
 
 
 def rss_mib() -> float:
@@ -48,6 +49,10 @@ def child(mode: Mode, model_path: str | None, dtype: str, conn: Connection) -> N
     else:
         os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] = str(mode.cache_capacity)
     from common.engine import Engine
+    from common.model.attention import torch_backend
+
+    if mode.attn_pad:
+        torch_backend.REDUCED_PRECISION_EXTEND_PAD = mode.attn_pad
 
     engine = Engine(model_path=model_path, dtype=dtype, page_size=16, chunked_prefill_size=512,
                     max_total_tokens=16384, max_running_requests=8,
@@ -84,14 +89,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--bucket", type=int, default=64)
     ap.add_argument("--modes", default="default,cache16,cache64,bucketed",
                     help="default, cacheN (ONEDNN_PRIMITIVE_CACHE_CAPACITY=N), bucketed (prompts rounded up to "
-                         "--bucket), rowsN (--cpu-prefill-row-bucket N), mmapN (MALLOC_MMAP_THRESHOLD_=N bytes); "
-                         "'+' combines: cache16+rows64")
+                         "--bucket), rowsN (--cpu-prefill-row-bucket N), mmapN (MALLOC_MMAP_THRESHOLD_=N bytes), attnpadN (bf16 "
+                         "extend attention padded to N rows; 1: unpadded); '+' combines: cache16+rows64")
     return ap.parse_args(argv)
 
 
 def make_mode(name: str, bucket: int) -> Mode:
-    """default | cacheN | bucketed | rowsN (--cpu-prefill-row-bucket N) | mmapN; joined with '+'."""
-    cache, prompt_bucket, rows, mmap = None, 0, 0, 0
+    """default | cacheN | bucketed | rowsN (--cpu-prefill-row-bucket N) | mmapN | attnpadN; joined with '+'."""
+    cache, prompt_bucket, rows, mmap, attn_pad = None, 0, 0, 0, 0
     for part in name.split("+"):
         if part.startswith("cache"):
             cache = int(part.removeprefix("cache"))
@@ -99,11 +104,13 @@ def make_mode(name: str, bucket: int) -> Mode:
             rows = int(part.removeprefix("rows"))
         elif part.startswith("mmap"):
             mmap = int(part.removeprefix("mmap"))
+        elif part.startswith("attnpad"):
+            attn_pad = int(part.removeprefix("attnpad"))
         elif part == "bucketed":
             prompt_bucket = bucket
         elif part != "default":
             raise SystemExit(f"unknown mode {name!r}")
-    return Mode(name, cache, prompt_bucket, rows, mmap)
+    return Mode(name, cache, prompt_bucket, rows, mmap, attn_pad)
 
 
 def main(argv: list[str] | None = None) -> None:
