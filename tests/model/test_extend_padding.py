@@ -14,19 +14,30 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from common.cache.kv_pool import KVPool
 from common.model.attention import create_attention_backend, torch_backend
+from common.model.attention.base import AttentionBackend
 from common.model.attention.torch_backend import REDUCED_PRECISION_EXTEND_PAD, extend_pad_rows
-from common.model.forward_batch import ForwardMode
+from common.model.forward_batch import ForwardBatch, ForwardMode
+from common.server.heap_trim import load_malloc_trim
 from tests.model.attention_cases import gqa_shape, make_case, reference
 
 SHAPE = gqa_shape(head_dim=64, group=3)  # the default model's attention: 9 heads over 3 KV heads of 64
 PAD = REDUCED_PRECISION_EXTEND_PAD
 
 
-def run_extend(requests: list[tuple[int, int]], dtype: torch.dtype, seed: int = 0) -> None:
-    pool, r2t, batch, q = make_case(SHAPE, ForwardMode.EXTEND, requests, 16, "cpu", dtype, seed=seed)
+def extend_case(
+    requests: list[tuple[int, int]], dtype: torch.dtype
+) -> tuple[AttentionBackend, KVPool, torch.Tensor, ForwardBatch, torch.Tensor]:
+    """(backend with its metadata built, pool, req_to_token, batch, q) for (prefix, extend) requests."""
+    pool, r2t, batch, q = make_case(SHAPE, ForwardMode.EXTEND, requests, 16, "cpu", dtype)
     backend = create_attention_backend("torch", shape=SHAPE, kv_pool=pool, req_to_token=r2t)
     backend.init_forward_metadata(batch)
+    return backend, pool, r2t, batch, q
+
+
+def run_extend(requests: list[tuple[int, int]], dtype: torch.dtype) -> None:
+    backend, _, _, batch, q = extend_case(requests, dtype)
     backend.forward(q, q, q, 0, batch)
 
 
@@ -57,9 +68,7 @@ def test_sdpa_sees_padded_extend_shapes(dtype: torch.dtype, monkeypatch: pytest.
 
 @pytest.mark.parametrize("requests", [[(0, 7), (5, 9), (0, 1), (16, 3)], [(0, 130), (70, 61), (200, 2)]])
 def test_padded_bf16_extends_match_the_reference(requests: list[tuple[int, int]]) -> None:
-    pool, r2t, batch, q = make_case(SHAPE, ForwardMode.EXTEND, requests, 16, "cpu", torch.bfloat16)
-    backend = create_attention_backend("torch", shape=SHAPE, kv_pool=pool, req_to_token=r2t)
-    backend.init_forward_metadata(batch)
+    backend, pool, r2t, batch, q = extend_case(requests, torch.bfloat16)
     for layer in range(pool.num_layers):
         got = backend.forward(q, q, q, layer, batch)
         assert torch.isfinite(got).all()
@@ -73,9 +82,12 @@ class _Mallinfo2(ctypes.Structure):
 
 
 def heap_in_use_mib() -> float:
+    """glibc's in-use bytes over all arenas, after giving the free pages back."""
+    trim = load_malloc_trim()
+    assert trim is not None, "glibc only"
+    trim(0)
     libc = ctypes.CDLL("libc.so.6")
     libc.mallinfo2.restype = _Mallinfo2
-    libc.malloc_trim(0)
     info = libc.mallinfo2()
     return (info.uordblks + info.hblkhd) / 2**20
 

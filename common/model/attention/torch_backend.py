@@ -163,7 +163,9 @@ class TorchAttentionBackend(AttentionBackend):
             mask: torch.Tensor | None = None
             if p > 0:  # padded keys (j >= s) are masked out; padded query rows see the real ones
                 j = torch.arange(s_pad, device=device)[None, :]
-                mask = (j <= p + torch.arange(e_pad, device=device)[:, None]) & (j < s)
+                mask = j <= p + torch.arange(e_pad, device=device)[:, None]
+                if s_pad > s:
+                    mask &= j < s
             else:  # square causal: padded keys are visible to padded query rows only
                 s_pad = e_pad
             if s_pad > s:
