@@ -8,9 +8,12 @@ import sys
 import uvicorn
 
 from common.cluster_secret import ClusterSecretError, is_loopback, load_router_keys, require_safe_bind
+from common.logs import configure_logging
 from common.server.conn_limits import CloseOnReject, header_timeout_protocol, raise_nofile_limit
 from router.app import build_app
 from router.config import RouterConfig
+
+ROUTER_LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -18,7 +21,7 @@ def main(argv: list[str] | None = None) -> None:
         cfg = RouterConfig.from_args(argv)
     except ValueError as e:
         sys.exit(f"router: {e}")
-    logging.basicConfig(level=cfg.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging(cfg.log_level, ROUTER_LOG_FORMAT)
     try:
         require_safe_bind("router", cfg.host, load_router_keys(cfg.cluster_secret_file), cfg.allow_unauthenticated)
     except ClusterSecretError as e:

@@ -25,6 +25,7 @@ import threading
 import time
 from collections.abc import Callable
 
+from common.logs import configure_logging
 from common.scheduler import step_fault
 from common.server.ipc import EngineIpcAddrs
 from common.server.liveness import step_clock_path
@@ -34,11 +35,6 @@ logger = logging.getLogger(__name__)
 
 EngineMain = Callable[[ServerArgs, EngineIpcAddrs], None]
 PARENT_POLL_S = 0.5
-LOG_FORMAT = "%(asctime)s %(levelname)s %(processName)s[%(process)d] %(name)s: %(message)s"
-
-
-def configure_logging(level: str) -> None:
-    logging.basicConfig(level=level.upper(), format=LOG_FORMAT)
 
 
 def _exit_when_orphaned(parent_pid: int, addrs: EngineIpcAddrs) -> None:

@@ -30,9 +30,10 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from common.cluster_secret import ClusterSecret, ClusterSecretError, require_safe_bind
+from common.logs import configure_logging
 from common.secret_file import SecretFileError, resolve_secret
 from common.server.cluster_auth import ClusterAuth
-from common.server.engine_handle import EngineHandle, EngineMain, configure_logging
+from common.server.engine_handle import EngineHandle, EngineMain
 from common.server.ipc import READY_SEQ, EngineIpcAddrs, FrontendChannel
 from common.server.liveness import StepClock, step_clock_path
 from common.server.server_args import ServerArgs, parse_server_args

@@ -17,7 +17,7 @@ import signal
 import sys
 
 from common.cache.kv_pool import KVPool
-from common.server.engine_handle import configure_logging
+from common.logs import configure_logging
 from common.server.server_args import ServerArgs
 from common.server.tp_ranks import TPAddrs, init_tp_group, set_rank_threads
 
