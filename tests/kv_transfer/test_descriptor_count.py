@@ -24,6 +24,11 @@ from tests.kv_transfer.harness import CANARY, PoolSpec, Worker, make_manager, ma
 
 SPEC = PoolSpec(num_pages=513, page_size=16, num_layers=16, num_kv_heads=1, head_dim=8, dtype="bfloat16", aux_slots=8)
 TOKENS, CHUNK = 1024, 512
+# What this file counts does not depend on any timeout: bounds far above a loaded box's stalls
+# (the harness's FAST ones, 1 s, failed a case when the worker process was descheduled for a
+# heartbeat timeout), below the waits' 20 and 30 s.
+CALM = dict(bootstrap_timeout_s=10.0, handshake_timeout_s=10.0, transfer_timeout_s=10.0,
+            heartbeat_interval_s=1.0, heartbeat_timeout_s=10.0)
 
 
 def prefill_chunks(seed: int) -> list[list[int]]:
@@ -68,8 +73,8 @@ class Pair:
 def pair() -> Iterator[Pair]:
     """One prefill worker and decode manager for every case: each case sends its own room and
     counts the worker's stats as the difference over its transfer."""
-    worker = Worker("prefill", SPEC, seed=5)
-    mgr, pool, _ = make_manager("decode", SPEC, None)
+    worker = Worker("prefill", SPEC, seed=5, **CALM)
+    mgr, pool, _ = make_manager("decode", SPEC, None, **CALM)
     try:
         yield Pair(worker, mgr, pool)
     finally:
