@@ -81,7 +81,6 @@ PROC_PATHS = (
 )
 
 
-
 def tier_of(path: Path) -> str:
     rel = path.resolve().relative_to(TESTS).as_posix()
     if rel.startswith("reliability/"):
