@@ -6,11 +6,13 @@ one worker starts it). xdist hands out units in order of their test count, so a 
 long test (lm_eval, the transfer bench, the 64-chat health load: 20-40 s each) came last and
 one worker ran it alone while the other had finished. `longest_first` orders the collection by
 each unit's expected seconds (KNOWN_SECONDS, else its test count times SECONDS_PER_TEST): the
-longest-processing-time-first rule, whose tail is at most the shortest unit's length.
+longest-processing-time-first rule: the units handed out last, when a worker may be left
+alone, are the short ones.
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Sequence
 from typing import Protocol, TypeVar
 
@@ -76,14 +78,11 @@ def work_unit(nodeid: str) -> str:
 def longest_first(items: Sequence[ItemT]) -> list[ItemT]:
     """`items` with their units in order of expected seconds, longest first (ties: the order
     they came in); a unit's tests keep their order."""
-    counts: dict[str, int] = {}
-    for item in items:
-        unit = work_unit(item.nodeid)
-        counts[unit] = counts.get(unit, 0) + 1
-    first_seen = {unit: i for i, unit in enumerate(counts)}
+    units = [work_unit(item.nodeid) for item in items]
+    counts = Counter(units)  # in first-seen order; sorted() is stable, so ties keep it
 
     def expected(unit: str) -> float:
         return KNOWN_SECONDS.get(unit, counts[unit] * SECONDS_PER_TEST)
 
-    order = {unit: rank for rank, unit in enumerate(sorted(counts, key=lambda u: (-expected(u), first_seen[u])))}
-    return sorted(items, key=lambda item: order[work_unit(item.nodeid)])
+    rank = {unit: r for r, unit in enumerate(sorted(counts, key=expected, reverse=True))}
+    return [item for _, item in sorted(zip(units, items, strict=True), key=lambda pair: rank[pair[0]])]

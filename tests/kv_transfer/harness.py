@@ -39,6 +39,16 @@ FAST = dict(
     drain_timeout_s=1.0,
     settle_timeout_s=0.5,
 )
+# For files that check bytes or counts, not timeouts: bounds far above a loaded box's stalls
+# (FAST's 1 s heartbeat timeout fails a room when a worker process is descheduled that long),
+# below those files' 20-60 s waits.
+UNTIMED = dict(
+    bootstrap_timeout_s=10.0,
+    handshake_timeout_s=10.0,
+    transfer_timeout_s=10.0,
+    heartbeat_interval_s=1.0,
+    heartbeat_timeout_s=10.0,
+)
 
 
 @dataclass(frozen=True)

@@ -20,15 +20,19 @@ from kv_transfer import KVManager, KVPoll
 from kv_transfer.aux_buffer import ROW_BYTES
 from kv_transfer.descriptors import coalesce_pages
 from tests.cache.test_page_allocator import churn
-from tests.kv_transfer.harness import CANARY, PoolSpec, Worker, make_manager, make_pool, page_bytes, wait_for
+from tests.kv_transfer.harness import (
+    CANARY,
+    UNTIMED,
+    PoolSpec,
+    Worker,
+    make_manager,
+    make_pool,
+    page_bytes,
+    wait_for,
+)
 
 SPEC = PoolSpec(num_pages=513, page_size=16, num_layers=16, num_kv_heads=1, head_dim=8, dtype="bfloat16", aux_slots=8)
 TOKENS, CHUNK = 1024, 512
-# What this file counts does not depend on any timeout: bounds far above a loaded box's stalls
-# (the harness's FAST ones, 1 s, failed a case when the worker process was descheduled for a
-# heartbeat timeout), below the waits' 20 and 30 s.
-CALM = dict(bootstrap_timeout_s=10.0, handshake_timeout_s=10.0, transfer_timeout_s=10.0,
-            heartbeat_interval_s=1.0, heartbeat_timeout_s=10.0)
 
 
 def prefill_chunks(seed: int) -> list[list[int]]:
@@ -73,8 +77,8 @@ class Pair:
 def pair() -> Iterator[Pair]:
     """One prefill worker and decode manager for every case: each case sends its own room and
     counts the worker's stats as the difference over its transfer."""
-    worker = Worker("prefill", SPEC, seed=5, **CALM)
-    mgr, pool, _ = make_manager("decode", SPEC, None, **CALM)
+    worker = Worker("prefill", SPEC, seed=5, **UNTIMED)
+    mgr, pool, _ = make_manager("decode", SPEC, None, **UNTIMED)
     try:
         yield Pair(worker, mgr, pool)
     finally:
