@@ -26,6 +26,7 @@ import torch
 
 from common.cache.kv_pool import KVPool
 from common.cluster_secret import ClusterSecret
+from common.server.heap_trim import load_malloc_trim
 from kv_transfer import AuxBuffer, AuxRow, AuxSlotAllocator, KVManager, KVManagerArgs, KVPoll, TransferConfig
 from tests.harness.process import wait_until
 
@@ -161,6 +162,13 @@ class Driver:
 
     def op_faults(self, spec: str) -> dict[str, Any]:
         self.mgr.set_faults(spec)
+        return {}
+
+    def op_trim_heap(self) -> dict[str, Any]:
+        """glibc's malloc_trim(0): freed heap pages go back to the OS, so RSS counts what is held."""
+        trim = load_malloc_trim()
+        assert trim is not None, "no malloc_trim in this C library"
+        trim(0)
         return {}
 
     def state(self, room: int | str) -> KVPoll:
