@@ -29,7 +29,6 @@ import torch
 
 from common.model.testing import build_tiny_checkpoint
 from tests.harness.process import START_COUNTS, reap_all
-from tests.harness.work_units import in_paths, longest_first, work_unit
 
 # One intra-op thread in this process and (through the environment) in every process a test
 # starts. The suite runs several processes per core (xdist workers, instances, TP ranks); an
@@ -81,11 +80,21 @@ PROC_PATHS = (
 )
 
 
+# Files whose tests use the session's `tiny_cluster`: one xdist work unit, so that one worker
+# starts it (router + 1P1D + colocated) instead of each worker its own.
+TINY_CLUSTER_PATHS = ("bench/test_soak.py", "compat/", "grammar/test_grammar_e2e.py",
+                      "router/test_router_real.py")
+
+
+def _in(rel: str, paths: tuple[str, ...]) -> bool:
+    return any(rel == p or (p.endswith("/") and rel.startswith(p)) for p in paths)
+
+
 def tier_of(path: Path) -> str:
     rel = path.resolve().relative_to(TESTS).as_posix()
     if rel.startswith("reliability/"):
         return "reliability"
-    if in_paths(rel, PROC_PATHS):
+    if _in(rel, PROC_PATHS):
         return "proc"
     return "unit"
 
@@ -95,25 +104,21 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         # One tier per test: a file that marks its own (pytestmark) keeps it, never runs in two.
         if not any(item.get_closest_marker(t) for t in TIERS):
             item.add_marker(getattr(pytest.mark, tier_of(Path(str(item.fspath)))))
-    if os.environ.get("PYTEST_XDIST_WORKER"):  # every worker collects alike; xdist hands out in this order
-        items[:] = longest_first(items)
 
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
-    """--dist loadfile over tests/harness/work_units.py's units, in the collection's order
-    (longest first), not xdist's by test count."""
+    """--dist loadfile, with the TINY_CLUSTER_PATHS files as one unit (see there)."""
     if config.getoption("dist") != "loadfile":
         return None
     from xdist.scheduler import LoadFileScheduling
 
-    config.option.loadscopereorder = False
-
-    class LongestFirstScheduling(LoadFileScheduling):
+    class SharedClusterScheduling(LoadFileScheduling):
         def _split_scope(self, nodeid: str) -> str:
-            return work_unit(nodeid)
+            path = nodeid.split("::", 1)[0]
+            return "tiny_cluster" if _in(path.removeprefix("tests/"), TINY_CLUSTER_PATHS) else path
 
-    return LongestFirstScheduling(config, log)
+    return SharedClusterScheduling(config, log)
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
