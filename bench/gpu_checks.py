@@ -10,6 +10,9 @@
     python bench/gpu_checks.py reference MODEL OUT      greedy ids of PROMPTS from the offline engine
                                                         (CUDA, flashinfer), one request at a time
     python bench/gpu_checks.py parity URL REF           the same prompts through a router: equal ids?
+    python bench/gpu_checks.py record URL MODEL OUT     greedy ids of PROMPTS from a server (e.g. a
+                                                        colocated instance: PD == colocated by parity)
+    (reference and record take --num-prompts N, default 12, at most 16)
 
 Syncs are counted with torch.cuda.set_sync_debug_mode("warn"): in `syncs` around the forward
 only (the batch is built outside the window); in `overlap` around whole engine steps (budget:
@@ -40,10 +43,10 @@ MAX_NEW_TOKENS = 32
 REFERENCE_BACKEND = os.environ.get("PDSERVE_ATTENTION_BACKEND", "flashinfer")
 
 
-def prompts(vocab: int) -> list[list[int]]:
-    """Lengths across page boundaries and chunked prefill (512): 1 .. 700 tokens."""
+def prompts(vocab: int, num: int = NUM_PROMPTS) -> list[list[int]]:
+    """Lengths across page boundaries and chunked prefill (512): 1 .. 1000 tokens."""
     rng = random.Random(0)
-    lengths = [1, 15, 16, 17, 64, 200, 511, 513, 700, 33, 128, 300][:NUM_PROMPTS]
+    lengths = [1, 15, 16, 17, 64, 200, 511, 513, 700, 33, 128, 300, 1000, 2, 257, 90][:num]
     return [[rng.randrange(100, min(vocab, 30000)) for _ in range(n)] for n in lengths]
 
 
@@ -141,14 +144,14 @@ def overlap_profile(model_path: str, rows: int = 32, prompt_len: int = 64, windo
     }
 
 
-def reference(model_path: str, out: str) -> dict[str, float]:
+def reference(model_path: str, out: str, num: int = NUM_PROMPTS) -> dict[str, float]:
     from common.engine import Engine
 
     engine = Engine(model_path, device="cuda", attention_backend=REFERENCE_BACKEND, dtype="bfloat16",
                     max_total_tokens=65536)
     try:
         greedy = {"max_new_tokens": MAX_NEW_TOKENS, "temperature": 0, "ignore_eos": True}
-        ps = prompts(engine.vocab_size)
+        ps = prompts(engine.vocab_size, num)
         outs = [engine.generate(input_ids=p, sampling_params=greedy)["output_ids"] for p in ps]
     finally:
         engine.shutdown()
@@ -172,6 +175,20 @@ def parity(url: str, ref_path: str) -> dict[str, float]:
     return {"prompts": len(ref["prompts"]), "identical": same, "min_common_prefix": min(prefix)}
 
 
+def record(url: str, model_path: str, out: str, num: int = NUM_PROMPTS) -> dict[str, float]:
+    import httpx
+
+    vocab = json.load(open(os.path.join(model_path, "config.json")))["vocab_size"]
+    ps = prompts(vocab, num)
+    greedy = {"max_new_tokens": MAX_NEW_TOKENS, "temperature": 0, "ignore_eos": True}
+    with httpx.Client(timeout=300, trust_env=False) as client:
+        outs = [client.post(f"{url}/generate", json={"input_ids": p, "sampling_params": greedy}).json()["output_ids"]
+                for p in ps]
+    with open(out, "w") as f:
+        json.dump({"prompts": ps, "outputs": outs}, f)
+    return {"prompts": len(ps)}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="check", required=True)
@@ -180,6 +197,12 @@ def main() -> None:
     ref = sub.add_parser("reference")
     ref.add_argument("model")
     ref.add_argument("out")
+    ref.add_argument("--num-prompts", type=int, default=NUM_PROMPTS)
+    rec = sub.add_parser("record")
+    rec.add_argument("url")
+    rec.add_argument("model")
+    rec.add_argument("out")
+    rec.add_argument("--num-prompts", type=int, default=NUM_PROMPTS)
     par = sub.add_parser("parity")
     par.add_argument("url")
     par.add_argument("ref")
@@ -189,7 +212,9 @@ def main() -> None:
     elif a.check == "overlap":
         result = overlap_profile(a.model)
     elif a.check == "reference":
-        result = reference(a.model, a.out)
+        result = reference(a.model, a.out, a.num_prompts)
+    elif a.check == "record":
+        result = record(a.url, a.model, a.out, a.num_prompts)
     else:
         result = parity(a.url, a.ref)
     print("RESULT " + json.dumps(result))
