@@ -1,4 +1,4 @@
-"""`python -m router --model-path DIR --prefill URL [PORT] --decode URL` (see router.config)."""
+"""`python -m router --model-path DIR --prefill URL [PORT] --decode URL` (see router.config; console script: pdserve-router)."""
 
 from __future__ import annotations
 

@@ -21,6 +21,7 @@ from urllib.parse import urlsplit
 from common.secret_file import resolve_secret
 from common.server.conn_limits import DEFAULT_HEADER_TIMEOUT_S, BodyLimits
 from common.server.liveness import HEALTH_ANSWER_BOUND_S
+from common.version import add_version_flag
 
 Role = Literal["prefill", "decode", "colocated"]
 Selector = tuple[tuple[str, str], ...]
@@ -283,6 +284,7 @@ def _prefill_spec(items: list[str]) -> WorkerSpec:
 def build_parser() -> argparse.ArgumentParser:
     d = _DEFAULTS
     p = argparse.ArgumentParser(prog="python -m router", description="OpenAI-compatible PD router")
+    add_version_flag(p, "router")
     p.add_argument("--model-path", required=True, help="checkpoint dir: tokenizer, chat template, context length")
     p.add_argument("--host", default=d["host"])
     p.add_argument("--port", type=int, default=d["port"])

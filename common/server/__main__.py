@@ -1,13 +1,13 @@
-"""`python -m common.server --model-path ... --port ...`: one colocated instance."""
+"""`python -m common.server --model-path ... --port ...`: one colocated instance (console script: pdserve-server)."""
 
 from __future__ import annotations
 
 
-def _main() -> None:
-    from common.server.launch import main
+def main(argv: list[str] | None = None) -> None:
+    from common.server.launch import main as launch_main
 
-    main()
+    launch_main(argv)
 
 
 if __name__ == "__main__":
-    _main()
+    main()

@@ -19,6 +19,7 @@ from typing import Any
 
 from common.scheduler.config import SCHEDULE_POLICIES, SchedulerConfig
 from common.scheduler.step_fault import StepFault
+from common.version import add_version_flag
 from kv_transfer.base import TransferConfig
 from kv_transfer.endpoint import TRANSFER_BACKENDS
 
@@ -404,6 +405,7 @@ def from_cli_args(ns: argparse.Namespace) -> ServerArgs:
 def parse_server_args(argv: list[str] | None = None, **defaults: Any) -> ServerArgs:
     """Parse argv into ServerArgs; `defaults` override the dataclass defaults (e.g. a role)."""
     parser = add_cli_args(argparse.ArgumentParser(description="pdserve instance"))
+    add_version_flag(parser, defaults.get("disaggregation_mode") or "server")
     if defaults:
         parser.set_defaults(**defaults)
     return from_cli_args(parser.parse_args(argv))
