@@ -62,6 +62,8 @@ PROC_PATHS = (
     "kv_transfer/test_kill.py",
     "kv_transfer/test_many_rooms.py",
     "launch/",
+    "packaging/test_missing_package.py",
+    "packaging/test_wheel.py",
     "pd/test_pd_aborts.py",
     "pd/test_pd_e2e.py",
     "pd/test_prefill_onednn_cache.py",

@@ -5,6 +5,8 @@ a time on the backend's own thread, so the scheduler never waits for one (a requ
 is still compiling waits; the others run). Each (kind, text) compiles once and stays cached (LRU,
 at most max_cached); a spec that does not parse gives a Future holding InvalidGrammar, cached as
 well. The first compile also builds xgrammar's view of the tokenizer (its vocabulary as bytes).
+Where xgrammar does not import (a plain `pip install pdserve`), every compile fails with
+MissingPackage: the request is refused with 501 naming the package and its install command.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from typing import Any
 from common.grammar.matcher import RequestGrammar
 from common.grammar.spec import GrammarSpec
 from common.grammar.syntax import parse_grammar
+from common.optional_packages import XGRAMMAR, MissingPackage
 
 logger = logging.getLogger(__name__)
 
@@ -38,6 +41,7 @@ class GrammarBackend:
         self._cache: OrderedDict[GrammarSpec, Future[Any]] = OrderedDict()
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-compile")
         self._compiler: Any = None
+        self._import_problem: str | None = None  # xgrammar did not import: why (then it never will)
         self._lock = threading.Lock()  # the counters: written by the compile thread too
         self.num_compiles = 0
         self.num_compile_errors = 0
@@ -64,6 +68,9 @@ class GrammarBackend:
         start = time.perf_counter()
         try:
             if self._compiler is None:
+                self._import_problem = self._import_problem or XGRAMMAR.import_problem()
+                if self._import_problem is not None:
+                    raise MissingPackage(XGRAMMAR.refusal(self._import_problem, "instance"))
                 self._compiler = self._make_compiler()
             compiled = self._compiler.compile_grammar(parse_grammar(spec))
         except Exception:

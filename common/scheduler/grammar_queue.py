@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from common.grammar.backend import GrammarBackend
 from common.grammar.spec import grammar_of
 from common.grammar.syntax import InvalidGrammar
+from common.optional_packages import MissingPackage
 from common.scheduler.req import Req
 
 COMPILE_TIMEOUT_S = 60.0
@@ -69,6 +70,9 @@ class GrammarQueue:
                     continue
             except InvalidGrammar as e:
                 out.append(GrammarOutcome(req, str(e)))
+                continue
+            except MissingPackage as e:  # this install cannot serve it: 501 naming the package
+                out.append(GrammarOutcome(req, str(e), e.status_code))
                 continue
             except Exception as e:  # the compiler itself failed: not the client's fault
                 out.append(GrammarOutcome(req, f"grammar compile failed: {e}", 500))

@@ -43,6 +43,8 @@ def default_error_type(status: int) -> str:
         return "unavailable"
     if status == 504:
         return "timeout"
+    if status == 501:
+        return "not_implemented_error"  # e.g. a feature whose package is missing (common/optional_packages.py)
     if 400 <= status < 500:
         return "invalid_request_error"
     return "internal_error"
