@@ -2,6 +2,9 @@
 processes (UCX loopback), next to a plain in-process torch copy of the same bytes.
 
     python bench/transfer.py [--quick] [--reps N]
+    python bench/transfer.py --device cuda|cpu [--reps N]   the request between two processes on one
+                                                            device, timed by a tight poller
+                                                            (bench/transfer_device.py; cuda: cuda_ipc)
 
 Two parts, each with its own pair of managers:
 
@@ -312,7 +315,14 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="1 and 16 MiB only, 2 reps")
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--device", choices=("cpu", "cuda"), default=None,
+                    help="only the 1,024-token request, process to process on this device, tight-polled")
     a = ap.parse_args()
+    if a.device is not None:
+        from bench.transfer_device import device_request_case
+
+        print("RESULT " + json.dumps(device_request_case(a.device, max(a.reps, 20 if a.device == "cuda" else 3))))
+        return
     sizes = [1, 16] if a.quick else [1, 16, 256]
     reps = 2 if a.quick else a.reps
     torch.set_num_threads(max(1, torch.get_num_threads()))

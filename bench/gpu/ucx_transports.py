@@ -3,19 +3,24 @@
     python bench/gpu/ucx_transports.py LOG...    -> one line: "cuda_ipc x2 (...)" or "none logged"
 
 UCX prints one table per (endpoint config, operation, memory types), each line of it prefixed
-with UCX's own log prefix ("[time] [host:pid:tid] ... UCX INFO"):
+with UCX's own log prefix ("[time] [host:pid:tid]"). The UCX bundled with nixl-cu13 1.5.1 puts
+the config and the operation on two lines, cuts the operation at the table's width, and has a
+column-header row before the rows:
 
-    +--------------------------------+--------------------------------------------------------------+
-    | ucp_context_0 intra-node cfg#1 | remote memory write by ucp_put*(fast-completion) from cuda/dev[0] to cuda/dev[0] |
-    +--------------------------------+--------------------------------+-----------------------------+
-    |                          0..2K | short                          | cuda_ipc/cuda               |
-    |                       2049..inf| zero-copy                      | cuda_ipc/cuda               |
-    +--------------------------------+--------------------------------+-----------------------------+
+    +--------+-------------+-----------------------------------+
+    | prefill-vm-14749-d206a6a6 self cfg#0                     |
+    | remote memory write by ucp_put* from host memory to host |
+    +--------+-------------+-----------------------------------+
+    | Range  | Description |              Config               |
+    +--------+-------------+-----------------------------------+
+    | 0..inf | zero-copy   | cma/memory                        |
+    +--------+-------------+-----------------------------------+
 
-A fixed window after the header line (the old `grep -A4`) misses rows when a table has more
-of them, and the memory names differ between UCX versions (cuda/GPU0, cuda/dev[0], cuda): so
-this parses whole tables, and counts the transports of every `remote memory write` (NIXL's
-WRITE = ucp_put) table whose destination is GPU memory (the KV pool), apart from the rest.
+(older UCX: one header line "| config | operation |", no column-header row). So the first
+protocol row is 4 lines below the operation and every later row beyond the old `grep -A4`
+window: a cuda_ipc zero-copy row after a cuda_copy short row was never seen. This parses whole
+tables and counts the transports of every `remote memory write` (NIXL's WRITE = ucp_put) table
+involving GPU memory (the KV pool), apart from the rest (the aux rows' host writes, AM).
 """
 
 from __future__ import annotations
@@ -41,8 +46,8 @@ class ProtoTable:
     @property
     def kv_write(self) -> bool:
         """A put to GPU memory: how NIXL WRITEs the KV into decode's pool."""
-        op = self.operation
-        return "remote memory write" in op and re.search(r"\bto cuda\b", op) is not None
+        op = self.operation  # UCX cuts it at the table's width: "... from cuda/GPU0 to cu"
+        return "remote memory write" in op and ("cuda" in op or re.search(r" to cu\S*$", op) is not None)
 
 
 def _body(line: str) -> str:
@@ -64,8 +69,13 @@ def parse_tables(text: str) -> list[ProtoTable]:
         if not cells_m:
             continue
         cells = [c.strip() for c in cells_m.group(1).split("|")]
-        if len(cells) == 2 and " by " in cells[1]:  # header: config | operation
+        if len(cells) == 2 and " by " in cells[1]:  # one header line: config | operation
             current = ProtoTable(cells[0], cells[1])
+            tables.append(current)
+        elif len(cells) == 1 and " by " in cells[0] and current is not None and not current.operation:
+            current.operation = cells[0]  # two header lines: the operation after the config
+        elif len(cells) == 1:  # two header lines: the config first
+            current = ProtoTable(cells[0], "")
             tables.append(current)
         elif len(cells) >= 3 and current is not None:  # row: range | protocol | transport(s)
             current.transports.extend(_TRANSPORT.findall(cells[-1]))
