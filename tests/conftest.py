@@ -49,6 +49,7 @@ TIERS = ("unit", "proc", "reliability")
 # Files whose tests start processes; everything else outside tests/reliability is `unit`.
 PROC_PATHS = (
     "bench/test_engine_loops.py",
+    "bench/test_gpu_bench_smoke.py",
     "bench/test_serving_bench.py",
     "bench/test_soak.py",
     "compat/",

@@ -7,8 +7,8 @@ Shapes: `1b` = Llama-3.2-1B (16 layers, hidden 2048, 32 q / 8 KV heads, head_dim
 `8b` = Llama-3.1-8B (32 layers, hidden 4096, 32 q / 8 KV heads, head_dim 128, MLP 14336), `tiny`
 = the SMOKE model for a CPU try. Every layer weight has the real shape, so the decode step reads
 what the real model's layers read; only the vocabulary is small (384 instead of 128,256): the
-real 8B's embedding + lm_head add 1.05 GB (the lm_head, 0.53 GB read per token, is not in our
-weight-streaming floor). Weights are drawn with N(0, 0.08) directly in bf16 on the device
+real 8B's embedding + lm_head add 2.1 GB (its lm_head, 1.05 GB read per token, is not in our
+weight-streaming floor: the real floor is 7.5% higher). Weights are drawn with N(0, 0.08) directly in bf16 on the device
 (cuda when there is one), then written as safetensors.
 """
 

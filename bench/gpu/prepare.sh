@@ -6,6 +6,8 @@
 # pytest), NIXL 1.5.1 (the meta wheel and nixl-cu13 trimmed to its UCX/POSIX plugins and the libraries they
 # load: 17 MB instead of 59 MB), and bin/ = the bench scripts of bench/gpu/ (run.sh, gen_model.py, ...).
 # On the GPU host, from the project root: OUT_DIR=/some/dir bash .gpu/bin/run.sh   (see run.sh)
+# REAL=1: also .gpu-real/part-00, part-01 (+ sha256): the default model's GGUF split for step `real`
+# (bench/gpu/README.md says how the parts travel).
 set -euo pipefail
 ROOT=$(pwd); HERE=$(cd "$(dirname "$0")" && pwd); G=$ROOT/.gpu
 [[ -f $ROOT/pyproject.toml ]] || { echo "run from the project root" >&2; exit 2; }
@@ -35,5 +37,11 @@ if [[ ! -f $G/nixl_cu13_trim.zip ]]; then
    done
    $PY -m zipfile -c $G/nixl_cu13_trim.zip $(ls -A))
   rm -rf $t
+fi
+if [[ ${REAL:-} ]]; then  # the default model's GGUF (98 MB) in two parts, each small enough for one device call
+  R=$ROOT/.gpu-real; grep -qx '/.gpu-real/' "$ex" || echo '/.gpu-real/' >> "$ex"
+  gguf=$($PY -c 'from common.model.default_model import find_gguf; print(find_gguf())')
+  rm -rf $R; mkdir -p $R; split -b 50M -d "$gguf" $R/part-; sha256sum < "$gguf" | cut -d' ' -f1 > $R/sha256
+  ls -l $R
 fi
 du -sh $G

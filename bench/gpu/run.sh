@@ -1,18 +1,21 @@
 #!/bin/bash
 # GPU bench in one command, from the project root on a GPU host (after bench/gpu/prepare.sh built .gpu/):
 #   OUT_DIR=/tmp/gpu-out bash .gpu/bin/run.sh [STEP...]          (bash bench/gpu/run.sh works too)
-# Steps (default: all, in this order; each is skipped once BUDGET_S, default 540, is nearly spent):
-#   model syncs throughput overlap transfer 8b-throughput 8b-pd pd agree loops real
+# Steps (default: all, in this order, the issue's figures first; a step is skipped once BUDGET_S,
+# default 540, has under 30 s left):
+#   model throughput overlap transfer 8b-throughput 8b-pd pd real agree loops syncs
+# HF_COMPARE=1: the 1B throughput step also runs transformers generate (+35 s on an H100).
 # Each step writes lines "[seconds] step: ..." to $OUT_DIR/steps.txt; logs go to $OUT_DIR/logs.tgz.
 # A step that fails says why there (the tail of its log), never an empty RESULT.
+# MODEL, MODEL8, LOG_DIR: where the random checkpoints and the logs go (defaults under /tmp).
 # SMOKE=1: tiny models on the CPU (torch backend), to try the flow where no GPU is at hand.
 # REAL_MODEL (default /tmp/pdserve-real): the default model's HF dir; if it is missing and REAL_GGUF
 # (default /tmp/pdserve-real.gguf) exists, it is converted first. Step `real` is skipped without both.
 set -u
 ROOT=$(pwd); B=$(cd "$(dirname "$0")" && pwd); G=${GPU_BUNDLE:-$ROOT/.gpu}; OUT=${OUT_DIR:-/tmp/gpu-out}; T0=$(date +%s)
-S=/tmp/pdserve-site; L=/tmp/pdserve-gpu-logs; mkdir -p "$OUT" $S $L
+S=/tmp/pdserve-site; L=${LOG_DIR:-/tmp/pdserve-gpu-logs}; mkdir -p "$OUT" $S $L
 REAL=${REAL_MODEL:-/tmp/pdserve-real}; REAL_GGUF=${REAL_GGUF:-/tmp/pdserve-real.gguf}
-STEPS=${*:-model syncs throughput overlap transfer 8b-throughput 8b-pd pd agree loops real}; BUDGET=${BUDGET_S:-540}
+STEPS=${*:-model throughput overlap transfer 8b-throughput 8b-pd pd real agree loops syncs}; BUDGET=${BUDGET_S:-540}
 say() { echo "[$(($(date +%s) - T0))s] $*" | tee -a "$OUT/steps.txt"; }
 left() { local l=$((BUDGET - ($(date +%s) - T0))); echo $((l < ${1:-9999} ? l : ${1:-9999})); }
 # run_py NAME LIMIT ARGS...: python ARGS > $L/NAME.log; echo its RESULT line, else why it failed
@@ -26,12 +29,13 @@ run_py() {
 if [[ ${SMOKE:-} ]]; then
   DEV=cpu; INST="--device cpu --dtype float32"; INST8=$INST; SHAPE1=tiny; SHAPE8=tiny; PY=${PYTHON:-python3}
   M=${MODEL:-/tmp/pdserve-smoke-m1b}; M8=${MODEL8:-/tmp/pdserve-smoke-m8b}; THR="--batch 8 --prompt 32 --new 16"
+  SERVE_SMOKE="--num-prompts 12 --random-input-len 256 --random-output-len 16"  # last flag wins: a small load
 else
-  DEV=cuda; SHAPE1=1b; SHAPE8=8b; PY=python3; M=${MODEL:-/tmp/pdserve-m1b}; M8=${MODEL8:-/tmp/pdserve-m8b}
+  DEV=cuda; SERVE_SMOKE=""; SHAPE1=1b; SHAPE8=8b; PY=python3; M=${MODEL:-/tmp/pdserve-m1b}; M8=${MODEL8:-/tmp/pdserve-m8b}
   INST="--device cuda --attention-backend flashinfer --dtype bfloat16 --max-total-tokens 65536"
   # 8B: two instances on one 80 GB GPU: 14 GB weights + 32,768 KV tokens x 128 KiB = 4 GiB each
   INST8="--device cuda --attention-backend flashinfer --dtype bfloat16 --max-total-tokens 32768"
-  THR="--batch 64 --prompt 128 --new 256"
+  THR="--batch 64 --prompt 128 --new 256"; [[ ${HF_COMPARE:-} ]] || THR+=" --no-hf"
   say "$(nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader)"
   if [[ ! -f $S/.stamp ]] || ! diff -q <(ls $G/whl) $S/.stamp > /dev/null; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target $S $G/whl/*.whl > $L/pip.log 2>&1 \
@@ -43,7 +47,7 @@ fi
 export PYTHONUNBUFFERED=1 DEV
 say "$($PY -c 'import torch, nixl._api, msgspec, zmq, fastapi; print("imports ok, torch", torch.__version__)' 2>&1 | tail -1)"
 ensure_model() {  # ensure_model DIR SHAPE: a random checkpoint (generated once per host)
-  [[ -f $1/config.json ]] && return 0
+  [[ -f $1/config.json ]] && { [[ $step == model ]] && say "model $2: $1 (already there)"; return 0; }
   timeout "$(left 240)" $PY $B/gen_model.py "$1" "$2" > $L/gen-$2.log 2>&1 || rm -rf "$1"
   say "model $2: $(tail -1 $L/gen-$2.log 2>/dev/null | cut -c1-300)"
   [[ -f $1/config.json ]]
@@ -64,7 +68,7 @@ pd_down() { kill -TERM $PD 2>/dev/null; wait $PD 2>/dev/null; sleep 2; }
 serve() {  # serve NAME MODEL ARGS...: bench/serving.py against the router, random 1024-token prompts
   local name=$1 model=$2; shift 2
   run_py serve-$name 150 bench/serving.py --base-url http://127.0.0.1:30900 --tokenizer "$model" --dataset random \
-    --random-input-len 1024 --disable-tqdm "$@"
+    --random-input-len 1024 --disable-tqdm "$@" $SERVE_SMOKE
 }
 transports() { $PY $B/ucx_transports.py "$@" 2>&1 | tail -1; }
 kv_metrics() { curl -s http://127.0.0.1:31000/metrics | grep -E '^pdserve_kv_transfer_(bytes|descriptors|transfers|total_seconds|exposed_seconds|gbps)' | tr '\n' ' '; }
