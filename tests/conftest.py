@@ -53,6 +53,7 @@ PROC_PATHS = (
     "bench/test_serving_bench.py",
     "bench/test_soak.py",
     "compat/",
+    "docs/test_doc_commands.py",
     "engine/test_tensor_parallel.py",
     "grammar/test_grammar_e2e.py",
     "grammar/test_grammar_real_model.py",
