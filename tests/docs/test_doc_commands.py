@@ -24,7 +24,6 @@ import shlex
 import subprocess
 import sys
 from collections.abc import Iterator
-from pathlib import Path
 from typing import NamedTuple
 
 import pytest
