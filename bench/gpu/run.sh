@@ -27,7 +27,8 @@ run_py() {
     echo "FAILED rc=$rc$( ((rc == 124)) && echo ' (timeout)'): $(grep -v '^\s*$' $L/$name.log | tail -3 | cut -c1-300 | tr '\n' ' ')"; fi
 }
 if [[ ${SMOKE:-} ]]; then
-  DEV=cpu; INST="--device cpu --dtype float32"; INST8=$INST; SHAPE1=tiny; SHAPE8=tiny; PY=${PYTHON:-python3}
+  DEV=cpu; INST="--device cpu --dtype float32"; INST8=$INST; SHAPE1=tiny; SHAPE8=tiny
+  PY=${PYTHON:-python3}; [[ -z ${PYTHON:-} && -x .venv/bin/python ]] && PY=.venv/bin/python  # the dev venv
   M=${MODEL:-/tmp/pdserve-smoke-m1b}; M8=${MODEL8:-/tmp/pdserve-smoke-m8b}; THR="--batch 8 --prompt 32 --new 16"
   SERVE_SMOKE="--num-prompts 12 --random-input-len 256 --random-output-len 16"  # last flag wins: a small load
 else
