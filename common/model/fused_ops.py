@@ -4,26 +4,38 @@
     rope(q, k, table)                q, k rotated (rope.py's RopeTable)   (fp32 math)
     add_rms_norm(x, residual, w)     residual' = x + residual; (rms_norm(residual', w), residual')
     silu_and_mul(gate_up)            silu(gate) * up, gate_up = [gate | up] on the last axis
+    rope_kv(q, k, v, table, pool, layer, slots)
+                                     rope, and where the implementation can, this step's K/V
+                                     written to the pool too (returns written: the caller
+                                     writes them itself when False)
 
+Three implementations: TorchOps is the reference and runs everywhere (the fp32 parity tests).
 On CUDA with flashinfer installed and fp16/bf16 activations, FlashInferOps runs each as one
 kernel (fused_add_rmsnorm works in place: x and residual are overwritten), where torch needs
-3-6 launches. TorchOps is the reference and runs everywhere (the fp32 parity tests).
+3-6 launches. On CPU with bf16 activations, CpuFusedOps (cpu_fused_ops.py) runs each as one
+call into pdserve's C kernels (cpu_kernels/), in place like flashinfer's, rope_kv included.
+Callers must treat add_rms_norm's and rope's inputs as consumed (they may be overwritten).
 """
 
 from __future__ import annotations
 
 import importlib.util
 import logging
-from typing import Any
+import os
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 
 from common.model.rope import RopeTable, RotaryEmbedding
 
+if TYPE_CHECKING:
+    from common.cache.kv_pool import KVPool
+
 logger = logging.getLogger(__name__)
 
 FUSED_DTYPES = (torch.float16, torch.bfloat16)
+ENV_DISABLE = "PDSERVE_CPU_KERNELS"  # "0": CPU bf16 keeps torch's ops (cpu_kernels.ENV_DISABLE)
 
 
 class TorchOps:
@@ -47,6 +59,15 @@ class TorchOps:
     def rope(self, q: torch.Tensor, k: torch.Tensor, table: RopeTable) -> tuple[torch.Tensor, torch.Tensor]:
         """q [T, Hq, D], k [T, Hk, D] rotated at table.positions (new tensors or, fused, in place)."""
         return table.apply(q, k)
+
+    def rope_kv(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None, table: RopeTable, pool: KVPool | None,
+        layer: int, slots: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor, bool]:
+        """rope(q, k) and, where this implementation fuses it, K/V written to `pool` at `slots`
+        of `layer`: (q, k, written). Here nothing is written: the caller writes them."""
+        q, k = self.rope(q, k, table)
+        return q, k, False
 
     def check(self, rope: RotaryEmbedding, num_heads: int, num_kv_heads: int, device: torch.device,
               dtype: torch.dtype) -> None:
@@ -113,11 +134,22 @@ class FlashInferOps(TorchOps):
 
 
 def select_fused_ops(device: torch.device, dtype: torch.dtype) -> TorchOps:
-    """flashinfer's kernels on CUDA for fp16/bf16 when flashinfer is installed, torch otherwise."""
-    if dtype not in FUSED_DTYPES or importlib.util.find_spec("flashinfer") is None:
+    """flashinfer's kernels for fp16/bf16 where flashinfer is installed and runs on `device`
+    (CUDA); else pdserve's C kernels on CPU for bf16 where they build (cpu_kernels, off with
+    PDSERVE_CPU_KERNELS=0); torch otherwise (fp32 always)."""
+    if dtype not in FUSED_DTYPES:
         return TorchOps()
-    import flashinfer
+    if importlib.util.find_spec("flashinfer") is not None:
+        import flashinfer
 
-    if device.type not in getattr(flashinfer, "PDSERVE_DEVICE_TYPES", ("cuda",)):
-        return TorchOps()
-    return FlashInferOps(flashinfer)
+        if device.type in getattr(flashinfer, "PDSERVE_DEVICE_TYPES", ("cuda",)):
+            return FlashInferOps(flashinfer)
+    if device.type == "cpu" and dtype == torch.bfloat16 and os.environ.get(ENV_DISABLE, "1") != "0":
+        from common.model.cpu_kernels import cpu_kernels
+
+        kernels = cpu_kernels()
+        if kernels is not None:
+            from common.model.cpu_fused_ops import CpuFusedOps
+
+            return CpuFusedOps(kernels)
+    return TorchOps()

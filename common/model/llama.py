@@ -10,6 +10,7 @@ splits the checkpoint tensors into them.
 Each "+ -> RMSNorm" is one add_rms_norm (fused_ops.py: one flashinfer kernel on a GPU), so a
 layer hands the next its MLP output and the residual stream separately.
     attention: qkv_proj -> (q/k norm) -> rope -> KV pool write -> backend -> o_proj
+               (rope + KV write is one fused_ops.rope_kv: one C call on CPU in bf16)
 """
 
 from __future__ import annotations
@@ -74,20 +75,22 @@ class LlamaAttention(nn.Module):
         v = v.reshape(n, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = ops.rope(q, k, rope)
-        return self.tp.all_reduce(self.o_proj(_attend(q, k, v, self.layer_id, batch, kv_pool, backend)))
+        q, k, written = ops.rope_kv(q, k, v, rope, kv_pool, self.layer_id, batch.out_cache_loc)
+        return self.tp.all_reduce(self.o_proj(_attend(q, k, v, self.layer_id, batch, kv_pool, backend, written)))
 
 
 def _attend(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, batch: ForwardBatch, pool: KVPool,
-    backend: AttentionBackend,
+    backend: AttentionBackend, written: bool = False,
 ) -> torch.Tensor:
-    """Write this step's K/V, then attention; inside a compiled decode step one opaque op."""
+    """Write this step's K/V (unless the fused rope already did: `written`), then attention;
+    inside a compiled decode step one opaque op."""
     key = attention_key(backend)
-    if key is not None and torch.compiler.is_compiling():
+    if key is not None and torch.compiler.is_compiling() and not written:
         out: torch.Tensor = torch.ops.pdserve.paged_attention(q, k, v, batch.out_cache_loc, layer, key)
         return out
-    write_kv(pool, layer, batch.out_cache_loc, k, v)
+    if not written:
+        write_kv(pool, layer, batch.out_cache_loc, k, v)
     return backend.forward(q, k, v, layer, batch)
 
 

@@ -53,6 +53,7 @@ def test_fp32_and_cpu_without_flashinfer_keep_the_torch_ops(monkeypatch: pytest.
     flashinfer_reference.install(monkeypatch)
     assert type(select_fused_ops(torch.device("cpu"), torch.float32)) is TorchOps
     monkeypatch.setattr(flashinfer_reference, "PDSERVE_DEVICE_TYPES", ("cuda",))
+    monkeypatch.setenv("PDSERVE_CPU_KERNELS", "0")  # CPU bf16 otherwise runs pdserve's C kernels (test_cpu_kernels.py)
     assert type(select_fused_ops(torch.device("cpu"), torch.bfloat16)) is TorchOps
 
 

@@ -7,6 +7,9 @@ Runs on any device. Per step (init_forward_metadata) the requests are split:
            SDPA over K/V gathered to a padded [n, L] slot table + a length mask (the GQA group
            folds into the query axis: q [n, Hkv, G, D] vs k [n, Hkv, L, D]). One group padded
            to the longest sequence ran 2-2.5x slower on mixed lengths (bench/attention_cpu.py).
+        on CPU with a bf16 pool and pdserve's C kernels (cpu_kernels): all of them in ONE call
+        that reads each request's K/V pages in place through req_to_token (online softmax in
+        fp32), no gather, no padding, no mask (_FusedDecode)
     multi-token requests (EXTEND chunks)
         -> one SDPA per request over its whole sequence, causal w.r.t. its extend part:
 
@@ -16,6 +19,7 @@ Runs on any device. Per step (init_forward_metadata) the requests are split:
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -23,8 +27,10 @@ import torch.nn.functional as F
 
 from common.cache.kv_pool import KVPool
 from common.model.attention.base import AttentionBackend, AttentionShape
+from common.model.cpu_kernels import CpuKernels, cpu_kernels
 from common.model.device_streams import DeviceStreams
 from common.model.forward_batch import ForwardBatch
+from common.model.fused_ops import ENV_DISABLE
 
 # Per-group fixed cost (gather + SDPA call + index ops) in padded K/V rows it is worth.
 GROUP_OVERHEAD_ROWS = 256
@@ -40,6 +46,7 @@ MAX_GROUP_KV_ROWS = 4096
 # README). Padding each extend's queries and keys to a multiple of this bounds the shapes to a
 # few dozen; the padding is masked out (keys) or dropped (query rows).
 REDUCED_PRECISION_EXTEND_PAD = 64
+MAX_FUSED_GROUP, MAX_FUSED_HEAD_DIM = 16, 256  # kernels.c: MAX_GROUP, MAX_HEAD_DIM
 
 
 def extend_pad_rows(device: torch.device, dtype: torch.dtype) -> int:
@@ -100,6 +107,26 @@ class _DecodeGroup:
 
 
 @dataclass
+class _FusedDecode:
+    """All single-token rows for decode_attention_bf16: int64 CPU tensors of n entries."""
+
+    req: torch.Tensor  # req_to_token rows
+    seq_len: torch.Tensor  # keys per row (this step's token included)
+    token: torch.Tensor  # rows of the packed tokens
+
+
+def _decode_kernels(kv_pool: KVPool, req_to_token: torch.Tensor, shape: AttentionShape) -> CpuKernels | None:
+    """The C kernels where the fused decode attention takes this pool and head layout."""
+    if kv_pool.device.type != "cpu" or kv_pool.dtype != torch.bfloat16 or req_to_token.dtype not in (torch.int32, torch.int64):
+        return None
+    if shape.group_size > MAX_FUSED_GROUP or shape.head_dim > MAX_FUSED_HEAD_DIM or not req_to_token.is_contiguous():
+        return None
+    if os.environ.get(ENV_DISABLE, "1") == "0":
+        return None
+    return cpu_kernels()
+
+
+@dataclass
 class _ExtendSeq:
     start: int  # first row in the packed tokens
     length: int  # extend tokens
@@ -116,6 +143,8 @@ class TorchAttentionBackend(AttentionBackend):
         self._decode: list[_DecodeGroup] = []
         self._extends: list[_ExtendSeq] = []
         self._extend_pad = extend_pad_rows(kv_pool.device, kv_pool.dtype)
+        self._kernels = _decode_kernels(kv_pool, req_to_token, shape)
+        self._fused: _FusedDecode | None = None
 
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
         device = batch.input_ids.device
@@ -126,9 +155,20 @@ class TorchAttentionBackend(AttentionBackend):
         for r in range(1, len(ext)):
             starts[r] = starts[r - 1] + ext[r - 1]
         max_len = max(batch.seq_lens_cpu, default=0)
-        table = self.req_to_token[batch.req_pool_indices, :max_len].to(torch.int64)  # [bs, max_len]
+        table = (
+            self.req_to_token[batch.req_pool_indices, :max_len].to(torch.int64)  # [bs, max_len]
+            if multi or self._kernels is None else self.req_to_token[:0].to(torch.int64)
+        )
 
-        self._decode = []
+        self._decode, self._fused = [], None
+        if self._kernels is not None and single:
+            req = batch.req_pool_indices if len(single) == len(ext) else batch.req_pool_indices[torch.tensor(single)]
+            self._fused = _FusedDecode(
+                req=req.to(torch.int64).contiguous(),
+                seq_len=torch.tensor([batch.seq_lens_cpu[r] for r in single], dtype=torch.int64),
+                token=torch.tensor([starts[r] for r in single], dtype=torch.int64),
+            )
+            single = []
         ps = self.kv_pool.page_size
         groups = [[single[i] for i in g] for g in decode_groups([batch.seq_lens_cpu[r] for r in single])] if single else []
         in_order = [rows_cpu == list(range(len(ext))) for rows_cpu in groups]
@@ -180,6 +220,8 @@ class TorchAttentionBackend(AttentionBackend):
         num_tokens, num_heads, head_dim = q.shape
         pool = self.kv_pool
         out = q.new_empty(num_tokens, num_heads * head_dim)
+        if self._fused is not None:
+            self._forward_fused_decode(q, layer_id, out, self._fused)
         for group in self._decode:
             self._forward_decode(q, layer_id, out, group)
         k_row, v_row = pool.layer_row(layer_id, 0), pool.layer_row(layer_id, 1)
@@ -203,6 +245,20 @@ class TorchAttentionBackend(AttentionBackend):
             )[0]
             out[rows] = o[:, : seq.length].transpose(0, 1).reshape(seq.length, num_heads * head_dim)
         return out
+
+    def _forward_fused_decode(self, q: torch.Tensor, layer: int, out: torch.Tensor, f: _FusedDecode) -> None:
+        assert self._kernels is not None
+        if q.dtype != torch.bfloat16 or q.stride(2) != 1 or q.stride(1) != q.shape[2]:
+            q = q.to(torch.bfloat16).contiguous()
+        pool, rt, shape = self.kv_pool, self.req_to_token, self.shape
+        self._kernels.calls += 1
+        rc = self._kernels.decode_attention_bf16(
+            q.data_ptr(), q.stride(0), out.data_ptr(), pool.kv.data_ptr(), rt.data_ptr(), rt.stride(0), int(rt.dtype == torch.int32),
+            f.req.data_ptr(), f.seq_len.data_ptr(), f.token.data_ptr(), f.req.shape[0], shape.num_kv_heads,
+            shape.group_size, shape.head_dim, pool.num_layers, pool.page_size, layer, shape.scaling,
+            torch.get_num_threads(),
+        )
+        assert rc == 0, "decode_attention_bf16 refused the head layout"
 
     def _forward_decode(self, q: torch.Tensor, layer: int, out: torch.Tensor, g: _DecodeGroup) -> None:
         n, length = g.mask.shape[0], g.mask.shape[-1]

@@ -1,0 +1,214 @@
+/* pdserve's fused CPU kernels for bf16 activations (common/model/cpu_kernels/__init__.py builds
+ * and loads this file; fused_ops.CpuFusedOps and attention/torch_backend.py call it).
+ *
+ * Every kernel does its math in fp32 and rounds to bf16 where the torch reference
+ * (fused_ops.TorchOps, rope.RopeTable, torch SDPA) rounds, so results agree with it within
+ * bf16 rounding (tests/model/test_cpu_kernels.py). Built with -ffp-contract=off: no FMA
+ * contraction the reference's separate mul/add would not do.
+ *
+ * Threads: OpenMP from the same libgomp torch loaded (one pool); the caller passes the
+ * thread count (torch.get_num_threads()) and kernels go parallel only above a work size.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+#include <stdlib.h>
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
+
+typedef uint16_t bf16;
+
+static inline float bf2f(bf16 v) { uint32_t u = (uint32_t)v << 16; float f; memcpy(&f, &u, 4); return f; }
+static inline bf16 f2bf(float f) {  /* round to nearest even, as torch */
+  uint32_t u; memcpy(&u, &f, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return (bf16)((u >> 16) | 0x40);
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return (bf16)(u >> 16);
+}
+
+#define PAR_MIN_ELEMS 65536  /* below this many elements a kernel stays on the calling thread */
+
+int pdserve_abi_version(void) { return 1; }
+
+/* residual[t] = bf16(x[t] + residual[t]); x[t] = bf16(w * bf16(rmsnorm(residual[t]))) */
+void add_rms_norm_bf16(bf16* x, bf16* res, const bf16* w, int64_t T, int64_t H, float eps, int nthreads) {
+  #pragma omp parallel for num_threads(nthreads) if (T * H >= PAR_MIN_ELEMS) schedule(static)
+  for (int64_t t = 0; t < T; t++) {
+    bf16* xr = x + t * H; bf16* rr = res + t * H;
+    float ss = 0.f;
+    for (int64_t i = 0; i < H; i++) {
+      bf16 r = f2bf(bf2f(xr[i]) + bf2f(rr[i]));
+      rr[i] = r;
+      float f = bf2f(r);
+      ss += f * f;
+    }
+    float inv = 1.0f / sqrtf(ss / (float)H + eps);
+    for (int64_t i = 0; i < H; i++) xr[i] = f2bf(bf2f(w[i]) * bf2f(f2bf(bf2f(rr[i]) * inv)));
+  }
+}
+
+/* out[t] = bf16(w * bf16(rmsnorm(x[t]))) (out may be x) */
+void rms_norm_bf16(const bf16* x, bf16* out, const bf16* w, int64_t T, int64_t H, float eps, int nthreads) {
+  #pragma omp parallel for num_threads(nthreads) if (T * H >= PAR_MIN_ELEMS) schedule(static)
+  for (int64_t t = 0; t < T; t++) {
+    const bf16* xr = x + t * H; bf16* o = out + t * H;
+    float ss = 0.f;
+    for (int64_t i = 0; i < H; i++) { float f = bf2f(xr[i]); ss += f * f; }
+    float inv = 1.0f / sqrtf(ss / (float)H + eps);
+    for (int64_t i = 0; i < H; i++) o[i] = f2bf(bf2f(w[i]) * bf2f(f2bf(bf2f(xr[i]) * inv)));
+  }
+}
+
+/* out[t, i] = bf16(bf16(silu(gate[t, i])) * up[t, i]); gate_up[t] = [gate | up], I each */
+void silu_mul_bf16(const bf16* gu, bf16* out, int64_t T, int64_t I, int nthreads) {
+  #pragma omp parallel for num_threads(nthreads) if (T * I >= PAR_MIN_ELEMS) schedule(static)
+  for (int64_t t = 0; t < T; t++) {
+    const bf16* g = gu + t * 2 * I; const bf16* u = g + I; bf16* o = out + t * I;
+    for (int64_t i = 0; i < I; i++) {
+      float a = bf2f(g[i]);
+      o[i] = f2bf(bf2f(f2bf(a / (1.0f + expf(-a)))) * bf2f(u[i]));
+    }
+  }
+}
+
+/* Rotate one head in place (HF rotate_half): [x1*c - x2*s | x2*c + x1*s], fp32, rounded once. */
+static inline void rotate(bf16* h, const float* cs, int64_t D) {
+  int64_t half = D / 2;
+  const float* c = cs; const float* s = cs + half;
+  for (int64_t i = 0; i < half; i++) {
+    float x1 = bf2f(h[i]), x2 = bf2f(h[i + half]);
+    float a = x1 * c[i], b = x2 * (-s[i]);
+    float d = x2 * c[i], e = x1 * s[i];
+    h[i] = f2bf(a + b);
+    h[i + half] = f2bf(d + e);
+  }
+}
+
+/* q [T, Hq, D] and k [T, Hk, D] (row strides q_stride, k_stride; heads contiguous) rotated in
+ * place at positions[t] (cos_sin: [context, D] fp32 = [cos | sin]); then, when pool is not NULL,
+ * k and v (row stride v_stride) copied to the pool rows of slots[t]: row = (slot / ps) * 2 * L * ps
+ * + slot % ps + (2 * layer + kind) * ps, each row Hk * D elements (common/cache/kv_pool.py). */
+void rope_kv_bf16(bf16* q, int64_t q_stride, bf16* k, int64_t k_stride, const bf16* v, int64_t v_stride,
+                  int64_t T, int64_t Hq, int64_t Hk, int64_t D, const int64_t* positions,
+                  const float* cos_sin, bf16* pool, const int64_t* slots, int64_t num_layers,
+                  int64_t page_size, int64_t layer, int nthreads) {
+  #pragma omp parallel for num_threads(nthreads) if (T * (Hq + Hk) * D >= PAR_MIN_ELEMS) schedule(static)
+  for (int64_t t = 0; t < T; t++) {
+    const float* cs = cos_sin + positions[t] * D;
+    bf16* qr = q + t * q_stride; bf16* kr = k + t * k_stride;
+    for (int64_t h = 0; h < Hq; h++) rotate(qr + h * D, cs, D);
+    for (int64_t h = 0; h < Hk; h++) rotate(kr + h * D, cs, D);
+    if (pool) {
+      int64_t s = slots[t];
+      int64_t base = (s / page_size) * 2 * num_layers * page_size + s % page_size + 2 * layer * page_size;
+      int64_t kv = Hk * D;
+      memcpy(pool + base * kv, kr, kv * sizeof(bf16));
+      memcpy(pool + (base + page_size) * kv, v + t * v_stride, kv * sizeof(bf16));
+    }
+  }
+}
+
+/* ---- paged decode attention ---------------------------------------------------------------- */
+
+static inline void load_f32(const bf16* p, float* out, int64_t D) {
+#ifdef __AVX512F__
+  int64_t i = 0;
+  for (; i + 16 <= D; i += 16) {
+    __m512i v = _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(p + i))), 16);
+    _mm512_storeu_ps(out + i, _mm512_castsi512_ps(v));
+  }
+  for (; i < D; i++) out[i] = bf2f(p[i]);
+#else
+  for (int64_t i = 0; i < D; i++) out[i] = bf2f(p[i]);
+#endif
+}
+
+static inline float dot_f32_bf16(const float* q, const bf16* k, int64_t D) {
+#ifdef __AVX512F__
+  if ((D & 15) == 0) {
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t i = 0; i < D; i += 16) {
+      __m512 kv = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(k + i))), 16));
+      acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + i), kv, acc);
+    }
+    return _mm512_reduce_add_ps(acc);
+  }
+#endif
+  float acc = 0.f;
+  for (int64_t i = 0; i < D; i++) acc += q[i] * bf2f(k[i]);
+  return acc;
+}
+
+static inline void axpy_f32_bf16(float* o, float p, const bf16* v, int64_t D) {
+#ifdef __AVX512F__
+  if ((D & 15) == 0) {
+    __m512 pp = _mm512_set1_ps(p);
+    for (int64_t i = 0; i < D; i += 16) {
+      __m512 vv = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(v + i))), 16));
+      _mm512_storeu_ps(o + i, _mm512_fmadd_ps(pp, vv, _mm512_loadu_ps(o + i)));
+    }
+    return;
+  }
+#endif
+  for (int64_t i = 0; i < D; i++) o[i] += p * bf2f(v[i]);
+}
+
+#define MAX_GROUP 16
+#define MAX_HEAD_DIM 256
+
+/* One query token per row r (n rows): q [*, Hk * G, D] (row stride q_stride) row token[r], its keys are the first
+ * seq_len[r] slots of req_to_token[req[r]] (int64, or int32 with rt_int32; row stride rt_stride), read in place from
+ * the pool (layout as rope_kv_bf16). out [*, Hk * G * D] row token[r]. Online softmax per
+ * (row, kv head) over the G query heads that share it; fp32 throughout, rounded once. */
+int decode_attention_bf16(const bf16* q, int64_t q_stride, bf16* out, const bf16* pool, const void* req_to_token,
+                          int64_t rt_stride, int rt_int32, const int64_t* req, const int64_t* seq_len,
+                          const int64_t* token, int64_t n, int64_t Hk, int64_t G, int64_t D,
+                          int64_t num_layers, int64_t page_size, int64_t layer, float scale, int nthreads) {
+  if (G > MAX_GROUP || D > MAX_HEAD_DIM) return -1;
+  int64_t work = 0;
+  for (int64_t r = 0; r < n; r++) work += seq_len[r];
+  int64_t kvw = Hk * D;
+  #pragma omp parallel for num_threads(nthreads) if (work * Hk * D * G >= 4 * PAR_MIN_ELEMS) schedule(dynamic, 1) collapse(2)
+  for (int64_t r = 0; r < n; r++) {
+    for (int64_t h = 0; h < Hk; h++) {
+      float qf[MAX_GROUP][MAX_HEAD_DIM];
+      float acc[MAX_GROUP][MAX_HEAD_DIM];
+      float m[MAX_GROUP], l[MAX_GROUP], sc[MAX_GROUP];
+      const bf16* qr = q + token[r] * q_stride + h * G * D;
+      for (int64_t g = 0; g < G; g++) {
+        load_f32(qr + g * D, qf[g], D);
+        for (int64_t i = 0; i < D; i++) { qf[g][i] *= scale; acc[g][i] = 0.f; }
+        m[g] = -INFINITY; l[g] = 0.f;
+      }
+      const int64_t* slots64 = (const int64_t*)req_to_token + req[r] * rt_stride;
+      const int32_t* slots32 = (const int32_t*)req_to_token + req[r] * rt_stride;
+      int64_t L = seq_len[r];
+      for (int64_t j = 0; j < L; j++) {
+        int64_t s = rt_int32 ? (int64_t)slots32[j] : slots64[j];
+        int64_t base = (s / page_size) * 2 * num_layers * page_size + s % page_size + 2 * layer * page_size;
+        const bf16* k = pool + base * kvw + h * D;
+        const bf16* v = pool + (base + page_size) * kvw + h * D;
+        for (int64_t g = 0; g < G; g++) {
+          float x = dot_f32_bf16(qf[g], k, D);
+          if (x > m[g]) {
+            float c = expf(m[g] - x);
+            l[g] *= c;
+            for (int64_t i = 0; i < D; i++) acc[g][i] *= c;
+            m[g] = x;
+          }
+          float p = expf(x - m[g]);
+          l[g] += p;
+          axpy_f32_bf16(acc[g], p, v, D);
+          (void)sc;
+        }
+      }
+      bf16* o = out + (token[r] * Hk * G + h * G) * D;
+      for (int64_t g = 0; g < G; g++) {
+        float inv = l[g] > 0.f ? 1.0f / l[g] : 0.f;
+        for (int64_t i = 0; i < D; i++) o[g * D + i] = f2bf(acc[g][i] * inv);
+      }
+    }
+  }
+  return 0;
+}
