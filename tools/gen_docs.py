@@ -28,7 +28,7 @@ import dataclasses
 import difflib
 import subprocess
 import sys
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -227,12 +227,12 @@ def _text(node: ast.expr | None) -> str | None:
     if isinstance(node, ast.Constant) and isinstance(node.value, str):
         return node.value
     if isinstance(node, ast.JoinedStr):  # f-string: placeholders shown as {expr}
-        return "".join(v.value if isinstance(v, ast.Constant) else "{" + ast.unparse(v.value) + "}"
+        return "".join(str(v.value) if isinstance(v, ast.Constant) else "{" + ast.unparse(v.value) + "}"
                        for v in node.values if isinstance(v, (ast.Constant, ast.FormattedValue)))
     return None
 
 
-def _labels(node: ast.expr | None, names: dict[str, ast.expr]) -> tuple[str, ...]:
+def _labels(node: ast.expr | None, names: Mapping[str, ast.expr]) -> tuple[str, ...]:
     if isinstance(node, ast.Name) and node.id in names:  # labels = [...] earlier in the source
         node = names[node.id]
     if isinstance(node, (ast.List, ast.Tuple)):
