@@ -29,10 +29,11 @@ class OptionalPackage:
             return f"{type(e).__name__}: {e}"
         return None
 
-    def refusal(self, problem: str, where: str) -> str:
-        """The client-facing message for a request that needs this package (where: "router" / "instance")."""
-        return (f"{self.feature} is not available: the Python package '{self.module}' is not installed in "
-                f"this {where}'s environment ({problem}). Install it with: {self.install}")
+    def refusal(self, where: str) -> str:
+        """The client-facing message for a request that needs this package (where: "router" / "instance").
+        The ImportError's own words (which can name paths) are for the log, not the client."""
+        return (f"{self.feature} is not available: the Python package '{self.module}' cannot be imported in "
+                f"this {where}'s environment. Install it with: {self.install}")
 
 
 XGRAMMAR = OptionalPackage(

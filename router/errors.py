@@ -118,4 +118,6 @@ def _public(status: int, worker_message: str, type_: str) -> str:
         return worker_message[:500]
     if status == 503:
         return "the service is temporarily unavailable; retry later"
+    if status == 501:  # a feature the worker's install lacks: its fixed text names the package (optional_packages)
+        return worker_message[:500]
     return f"a worker failed to serve the request ({_public_type(type_)})"

@@ -49,8 +49,10 @@ class GrammarChecker:
         if not self._imported:
             self._import_problem = await self._run(XGRAMMAR.import_problem)
             self._imported = self._import_problem is None
+            if self._import_problem is not None:
+                logger.warning("structured output refused with %d: %s", MISSING_PACKAGE_STATUS, self._import_problem)
         if self._import_problem is not None:
-            raise ApiError(MISSING_PACKAGE_STATUS, XGRAMMAR.refusal(self._import_problem, "router"),
+            raise ApiError(MISSING_PACKAGE_STATUS, XGRAMMAR.refusal("router"),
                            type="not_implemented_error", code=MISSING_PACKAGE_CODE,
                            param="response_format" if plan.api != "generate" else f"sampling_params.{spec.kind}")
         if spec in self._verdicts:

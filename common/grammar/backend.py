@@ -68,9 +68,12 @@ class GrammarBackend:
         start = time.perf_counter()
         try:
             if self._compiler is None:
-                self._import_problem = self._import_problem or XGRAMMAR.import_problem()
+                if self._import_problem is None:
+                    self._import_problem = XGRAMMAR.import_problem()
+                    if self._import_problem is not None:
+                        logger.warning("structured output refused with 501: %s", self._import_problem)
                 if self._import_problem is not None:
-                    raise MissingPackage(XGRAMMAR.refusal(self._import_problem, "instance"))
+                    raise MissingPackage(XGRAMMAR.refusal("instance"))
                 self._compiler = self._make_compiler()
             compiled = self._compiler.compile_grammar(parse_grammar(spec))
         except Exception:

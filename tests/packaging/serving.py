@@ -36,6 +36,7 @@ class Launch:
     cwd: Path = REPO_ROOT
     pythonpath: str | None = str(REPO_ROOT)  # None: inherit; the installed tests set their own
     env: dict[str, str] | None = None
+    server_pythonpath: str | None = None  # the instance's, where it differs from the router's
 
 
 @dataclass
@@ -59,7 +60,8 @@ def serving(launch: Launch, model: str) -> Iterator[Serving]:
     iport, rport = free_port(), free_port()
     instance = ChildProcess([*launch.server, "--model-path", model, "--port", str(iport), "--device", "cpu",
                              "--dtype", "float32", "--max-total-tokens", "8192", "--log-level", level],
-                            "pkg-instance", env=env, cwd=launch.cwd, pythonpath=launch.pythonpath)
+                            "pkg-instance", env=env, cwd=launch.cwd,
+                            pythonpath=launch.server_pythonpath or launch.pythonpath)
     children = [instance]
     try:
         router = ChildProcess([*launch.router, "--model-path", model, "--port", str(rport), "--log-level", level,

@@ -37,6 +37,7 @@ def assert_names_the_package(r: httpx.Response, where: str) -> None:
     error = r.json()["error"]
     assert "'xgrammar'" in error["message"] and XGRAMMAR.install in error["message"], error
     assert f"this {where}'s environment" in error["message"], error
+    assert "hidden by tests/packaging" not in error["message"]  # the ImportError's words go to the log only
 
 
 def chat(schema: dict[str, object]) -> dict[str, object]:
@@ -70,6 +71,28 @@ def test_unconstrained_requests_are_still_served(no_xgrammar: Serving) -> None:
     for base in (no_xgrammar.router_url, no_xgrammar.instance_url):
         r = no_xgrammar.post(base, "/generate", body)
         assert r.status_code == 200 and r.json()["meta_info"]["completion_tokens"] == 4, r.text
+
+
+@pytest.fixture(scope="module")
+def worker_without_xgrammar(tiny_llama_path: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Serving]:
+    """The router's host has xgrammar, the instance's does not (installed apart)."""
+    hidden = hide_xgrammar(tmp_path_factory.mktemp("no_xgrammar_worker"))
+    launch = Launch(router=[sys.executable, "-m", "router"], server=[sys.executable, "-m", "common.server"],
+                    server_pythonpath=os.pathsep.join([str(hidden), str(REPO_ROOT)]))
+    with serving(launch, tiny_llama_path) as s:
+        yield s
+
+
+def test_a_worker_without_the_package_is_named_through_the_router(worker_without_xgrammar: Serving) -> None:
+    s = worker_without_xgrammar
+    body = {"text": "hi", "sampling_params": {"max_new_tokens": 4, "json_schema": json.dumps(SCHEMA)}}
+    assert_names_the_package(s.post(s.router_url, "/generate", body), "instance")  # the worker's 501, relayed
+    models = httpx.get(s.router_url + "/v1/models", timeout=10).json()["data"]
+    r = s.post(s.router_url, "/v1/chat/completions", {**chat(SCHEMA), "model": models[0]["id"]})
+    assert_names_the_package(r, "instance")
+    # the router can still check a schema itself: an invalid one is its 400, before the worker
+    r = s.post(s.router_url, "/v1/chat/completions", {**chat(BAD_SCHEMA), "model": models[0]["id"]})
+    assert r.status_code == 400 and "objectx" in r.json()["error"]["message"], r.text
 
 
 def test_the_hiding_works(tmp_path: Path) -> None:
