@@ -89,7 +89,7 @@ def main(out: str, name: str) -> None:
     tok.save_pretrained(out)
     n = sum(p.numel() for p in model.parameters())
     assert n == param_count(shape, len(tok)), (n, param_count(shape, len(tok)))
-    print(f"model {out}: shape {name}, {n / 1e9:.3f} B params, {dtype} {n * p.element_size() / 1e9:.2f} GB, "
+    print(f"model {out}: shape {name}, {n:,} params ({n / 1e9:.3f} B), {dtype} {n * p.element_size() / 1e9:.2f} GB, "
           f"vocab {len(tok)}, built on {dev} in {t_built - t0:.1f} s, saved in {time.perf_counter() - t_built:.1f} s")
 
 
