@@ -65,6 +65,9 @@ def test_console_scripts_start(installed: InstalledWheel) -> None:
     assert installed.version.endswith(TEST_VERSION_LABEL)  # the wheel's metadata, not the checkout's pyproject
     out = installed.run([str(installed.bin / "pdserve"), "--version"])
     assert (out.returncode, out.stdout) == (0, f"pdserve {installed.version}\n"), out
+    for module in ("router", "prefill_server"):  # `python -m ROLE`, what the chart's pods and launch/pd.sh run
+        out = installed.run([str(installed.bin / "python"), "-m", module, "--version"])
+        assert out.returncode == 0 and out.stdout.startswith(f"pdserve {installed.version} ("), out
     out = installed.run([str(installed.bin / "pdserve-router"), "--help"])
     assert out.returncode == 0 and "--model-path" in out.stdout and "--prefill" in out.stdout, out
     out = installed.run([str(installed.bin / "pdserve"), "decode", "--help"])
