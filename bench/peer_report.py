@@ -123,8 +123,12 @@ def format_table(systems: list[SystemResult], workloads: list[str], res: dict[st
     ratios = [f"  {r.key} = {_cell(res[r.key], 3)}" for r in RATIOS]
     lines += ["", "ratios:", *ratios]
     if res["errors"]:
-        lines += ["", "errors:"] + [f"  {k}: {v}" for k, v in res["errors"].items()]
+        lines += ["", "errors:"] + [f"  {k}: {_one_line(v)}" for k, v in res["errors"].items()]
     return "\n".join(lines)
+
+
+def _one_line(text: str) -> str:
+    return " | ".join(ln.strip() for ln in text.splitlines() if ln.strip())
 
 
 def _cell(v: float | None, digits: int = 1) -> str:

@@ -50,6 +50,7 @@ TIERS = ("unit", "proc", "reliability")
 PROC_PATHS = (
     "bench/test_engine_loops.py",
     "bench/test_gpu_bench_smoke.py",
+    "bench/test_peer.py",
     "bench/test_serving_bench.py",
     "bench/test_soak.py",
     "compat/",
