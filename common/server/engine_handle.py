@@ -25,6 +25,7 @@ import threading
 import time
 from collections.abc import Callable
 
+from common.cpu_runtime import NO_PLACEMENT, EnginePlacement
 from common.logs import configure_logging
 from common.scheduler import step_fault
 from common.server.ipc import EngineIpcAddrs
@@ -72,7 +73,11 @@ def _unlink(path: str) -> None:
 class EngineHandle:
     """Owned by the launcher; the frontend only asks `dead_reason()`."""
 
-    def __init__(self, args: ServerArgs, addrs: EngineIpcAddrs, engine_main: EngineMain) -> None:
+    def __init__(self, args: ServerArgs, addrs: EngineIpcAddrs, engine_main: EngineMain,
+                 placement: EnginePlacement = NO_PLACEMENT) -> None:
+        """placement: the engine's CPUs and environment (common/cpu_runtime.py), in force from
+        its first instruction: see start()."""
+        self._placement = placement
         ctx = multiprocessing.get_context("spawn")
         self._proc = ctx.Process(
             target=_engine_entry,
@@ -81,7 +86,24 @@ class EngineHandle:
         )
 
     def start(self) -> None:
-        self._proc.start()
+        """Spawn (fork + exec) the engine with the placement's variables in the environment and its
+        CPUs as this thread's affinity, which the child inherits; both are restored here after."""
+        placement = self._placement
+        saved_env = {k: os.environ.get(k) for k in placement.env}
+        saved_cpus = os.sched_getaffinity(0) if placement.cpus is not None else None
+        try:
+            os.environ.update(placement.env)
+            if placement.cpus is not None:
+                os.sched_setaffinity(0, placement.cpus)  # this thread only; fork copies it
+            self._proc.start()
+        finally:
+            if saved_cpus is not None:
+                os.sched_setaffinity(0, saved_cpus)
+            for k, v in saved_env.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
         logger.info("engine process started (pid %s)", self._proc.pid)
 
     @property

@@ -30,6 +30,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from common.cluster_secret import ClusterSecret, ClusterSecretError, require_safe_bind
+from common.cpu_runtime import active_runtime, confine_this_process, plan_engine, runs_on_cpu
 from common.logs import configure_logging
 from common.secret_file import SecretFileError, resolve_secret
 from common.server.cluster_auth import ClusterAuth
@@ -98,7 +99,14 @@ def launch_server(
     _check_port_free(args.host, args.port)
     addrs = EngineIpcAddrs.new()
     step_clock = StepClock.create(step_clock_path(addrs))
-    engine = EngineHandle(args, addrs, engine_main or _default_engine_main())
+    placement = plan_engine(args)
+    for warning in placement.layout.warnings if placement.layout is not None else ():
+        logger.warning("cpu layout: %s", warning)
+    if placement.cpus is not None or placement.env:
+        logger.info("engine runtime: %s", placement.describe())
+    if placement.frontend_cpus is not None:
+        confine_this_process(placement.frontend_cpus)
+    engine = EngineHandle(args, addrs, engine_main or _default_engine_main(), placement)
     previous = signal.signal(signal.SIGTERM, _sigterm_as_interrupt)
     failure: str | None = None
     try:
@@ -225,7 +233,9 @@ async def _serve(
         args, InputProcessor(tokenizer, info, args), channel, FrontendMetrics(), engine.dead_reason, step_clock
     )
     manager.start_background()
-    app = create_app(manager, {**server_info(args, info.context_length, stats), "engine_pid": engine.pid})
+    cpu_runtime = active_runtime(engine.pid) if engine.pid is not None and runs_on_cpu(args) else None
+    app = create_app(manager, {**server_info(args, info.context_length, stats), "engine_pid": engine.pid,
+                               "cpu_runtime": cpu_runtime})
     if configure_app is not None:
         configure_app(app, args)
     nofile = raise_nofile_limit()

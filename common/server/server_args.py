@@ -85,6 +85,8 @@ class ServerArgs:
     torch_compile_max_bs: int = 32
     quantization: str | None = None
     cpu_prefill_row_bucket: int = 64
+    cpu_omp_threads_bind: str | None = None  # common/cpu_runtime.py
+    cpu_preload_libs: str = "auto"
     malloc_trim_interval: float = 10.0
     random_seed: int | None = None
     grammar_backend: str = "xgrammar"
@@ -176,6 +178,9 @@ class ServerArgs:
             return f"--malloc-trim-interval must be >= 0, got {self.malloc_trim_interval}"
         if self.cpu_prefill_row_bucket < 0:
             return f"--cpu-prefill-row-bucket must be >= 0, got {self.cpu_prefill_row_bucket}"
+        cpu_problem = _cpu_runtime_problem(self.cpu_omp_threads_bind, self.cpu_preload_libs)
+        if cpu_problem is not None:
+            return cpu_problem
         if self.swap_space < 0:
             return f"--swap-space must be >= 0, got {self.swap_space}"
         if self.num_reserved_decode_tokens < 0:
@@ -327,6 +332,13 @@ _HELP: dict[str, str] = {
     "the freed C heap back to the OS (0: never)",
     "cpu_prefill_row_bucket": "CPU: prefill forwards pad each linear's rows to a power of two below this, a "
     "multiple of it above, so oneDNN builds a bounded set of GEMM shapes (0: off; README, prefill memory)",
+    "cpu_omp_threads_bind": "CPU: the engine process runs on these CPUs (e.g. 0-3,8) with one intra-op thread "
+    "each; auto = every CPU this process may use, one held back for the frontend on hosts with >= 5; "
+    "default: not confined (SGLANG_CPU_OMP_THREADS_BIND's idea; alias --cpu-affinity). launch/pd.sh gives "
+    "each engine on a host a disjoint list; ignored on CUDA",
+    "cpu_preload_libs": "CPU: libraries preloaded (LD_PRELOAD) into the engine process when installed: auto "
+    "(default: tcmalloc + iomp5, or $PDSERVE_CPU_PRELOAD_LIBS), none, or a comma list of tcmalloc, jemalloc, "
+    "iomp5; /server_info cpu_runtime says what is active (docs/cpu.md)",
     "random_seed": "seed for sampling",
     "grammar_backend": "structured output (json_schema / regex / ebnf, response_format): xgrammar, or none to "
     "refuse constrained requests with 400 (SGLang's flag)",
@@ -360,7 +372,18 @@ _HELP: dict[str, str] = {
 
 
 # Other spellings of a flag (SGLang's and vLLM's).
-_ALIASES: dict[str, tuple[str, ...]] = {"tp_size": ("--tensor-parallel-size",)}
+_ALIASES: dict[str, tuple[str, ...]] = {"tp_size": ("--tensor-parallel-size",),
+                                         "cpu_omp_threads_bind": ("--cpu-affinity",)}
+
+
+def _cpu_runtime_problem(bind: str | None, preload: str) -> str | None:
+    from common.cpu_runtime import parse_preload, validate_bind
+
+    try:
+        parse_preload(preload)
+    except ValueError as e:
+        return str(e)
+    return validate_bind(bind)
 
 
 def _flag(name: str) -> str:
