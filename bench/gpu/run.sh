@@ -72,7 +72,7 @@ serve() {  # serve NAME MODEL ARGS...: bench/serving.py against the router, rand
     --random-input-len 1024 --disable-tqdm "$@" $SERVE_SMOKE
 }
 transports() { $PY $B/ucx_transports.py "$@" 2>&1 | tail -1; }
-kv_metrics() { curl -s http://127.0.0.1:31000/metrics | grep -E '^pdserve_kv_transfer_(bytes|descriptors|transfers|total_seconds|exposed_seconds|gbps)' | tr '\n' ' '; }
+kv_metrics() { curl -s http://127.0.0.1:31000/metrics | grep -E '^pdserve_kv_transfer_(bytes|descriptors|transfers|total_seconds|exposed_seconds|gbps) ' | tr '\n' ' '; }
 gpu_only() { [[ $DEV == cuda ]] || { say "$1: skipped (needs a GPU)"; return 1; }; }
 for step in $STEPS; do
   if (($(left) < 30)); then say "$step: skipped (budget: $(left) s left of $BUDGET)"; continue; fi
@@ -115,19 +115,18 @@ for step in $STEPS; do
       fi
     done ;;
   real)
-    gpu_only real || continue
     if [[ ! -f $REAL/config.json && -f $REAL_GGUF ]]; then
       say "real convert: $(run_py convert 120 -c "import sys; from pathlib import Path; from common.model.default_model import convert_gguf
 convert_gguf(Path(sys.argv[1]), Path(sys.argv[2])); print('RESULT converted')" "$REAL_GGUF" "$REAL")"
     fi
     [[ -f $REAL/config.json ]] || { say "real: skipped (no $REAL/config.json, no $REAL_GGUF)"; continue; }
-    say "real agree: $(run_py real-agree 150 $B/agree.py $REAL 16 32)"
+    [[ $DEV == cuda ]] && say "real agree: $(run_py real-agree 150 $B/agree.py $REAL 16 32)"
     if pd_up real-colo $REAL "$INST" --colocated 1; then
-      say "real colocated: $(run_py real-colo 60 bench/gpu_checks.py record http://127.0.0.1:30900 $REAL $L/real-colo.json --num-prompts 16)"
+      say "real colocated: $(run_py real-colo 180 bench/gpu_checks.py record http://127.0.0.1:30900 $REAL $L/real-colo.json --num-prompts 16)"
       pd_down
     fi
     if [[ -f $L/real-colo.json ]] && pd_up real-pd $REAL "$INST"; then
-      say "real PD == colocated: $(run_py real-parity 60 bench/gpu_checks.py parity http://127.0.0.1:30900 $L/real-colo.json)"
+      say "real PD == colocated: $(run_py real-parity 180 bench/gpu_checks.py parity http://127.0.0.1:30900 $L/real-colo.json)"
       pd_down
     fi ;;
   *) say "unknown step $step" ;;
