@@ -14,7 +14,7 @@ matters: common/model/intra_op.py) inherits the affinity. The frontend keeps its
 Preloads (vLLM's CPU docs ask for both): tcmalloc (Debian's libtcmalloc-minimal4; jemalloc is
 accepted too) and Intel's OpenMP (PyPI's intel-openmp puts libiomp5.so in <venv>/lib). Only
 libraries that exist are preloaded; none found = today's glibc malloc + libgomp. On CUDA nothing
-changes. Which ones are on by default is decided by measurement (docs/cpu.md).
+changes. By default ("auto") only Intel's OpenMP, by measurement (docs/cpu.md).
 """
 
 from __future__ import annotations
@@ -38,7 +38,10 @@ PRELOAD_LIBS: dict[str, tuple[str, ...]] = {
     "iomp5": ("libiomp5.so",),
 }
 ALLOCATORS = ("tcmalloc", "jemalloc")
-DEFAULT_PRELOAD = ("tcmalloc", "iomp5")  # what "auto" preloads when found (docs/cpu.md: measured)
+# What "auto" preloads when found. Measured (docs/cpu.md): Intel's OpenMP 1.09-1.23x on 8 cores,
+# neutral on 2; tcmalloc as much, but it keeps freed memory from glibc's malloc_trim, which bounds
+# the engine's RSS (common/server/heap_trim.py), so it is opt-in.
+DEFAULT_PRELOAD = ("iomp5",)
 PRELOAD_ENV = "PDSERVE_CPU_PRELOAD_LIBS"  # the default of --cpu-preload-libs when it is "auto"
 LIB_PATH_ENV = "PDSERVE_CPU_LIB_PATH"  # extra directories searched first (colon-separated)
 

@@ -52,4 +52,14 @@ else
   .venv/bin/pip install -q --upgrade pip >/dev/null 2>&1 || true
   install_all pip_install
 fi
+# tcmalloc for CPU engines that ask for it (--cpu-preload-libs tcmalloc,iomp5; docs/cpu.md): not on
+# PyPI, so Debian's libtcmalloc-minimal4 is unpacked into .venv/lib (no root, nothing system-wide),
+# where common/cpu_runtime.py finds it. Best effort: without it engines keep glibc malloc.
+if [ ! -e .venv/lib/libtcmalloc_minimal.so.4 ] && command -v apt-get >/dev/null 2>&1; then
+  tc_tmp=$(mktemp -d)
+  if (cd "$tc_tmp" && apt-get download -q libtcmalloc-minimal4 >/dev/null 2>&1 && dpkg-deb -x libtcmalloc-minimal4_*.deb x); then
+    cp -L "$tc_tmp"/x/usr/lib/*/libtcmalloc_minimal.so.4 .venv/lib/ || true
+  fi
+  rm -rf "$tc_tmp"
+fi
 echo "installed into $(pwd)/.venv"

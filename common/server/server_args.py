@@ -337,7 +337,7 @@ _HELP: dict[str, str] = {
     "default: not confined (SGLANG_CPU_OMP_THREADS_BIND's idea; alias --cpu-affinity). launch/pd.sh gives "
     "each engine on a host a disjoint list; ignored on CUDA",
     "cpu_preload_libs": "CPU: libraries preloaded (LD_PRELOAD) into the engine process when installed: auto "
-    "(default: tcmalloc + iomp5, or $PDSERVE_CPU_PRELOAD_LIBS), none, or a comma list of tcmalloc, jemalloc, "
+    "(default: iomp5, or $PDSERVE_CPU_PRELOAD_LIBS), none, or a comma list of tcmalloc, jemalloc, "
     "iomp5; /server_info cpu_runtime says what is active (docs/cpu.md)",
     "random_seed": "seed for sampling",
     "grammar_backend": "structured output (json_schema / regex / ebnf, response_format): xgrammar, or none to "
