@@ -28,6 +28,11 @@ and each side keeps its best, so load from elsewhere on a shared box hits both a
                                                               -> int8_speedup_b1/_bs32
      with --torch-compile: the inductor-compiled decode step vs the eager (prepacked) one
                                                               -> compile_speedup_b1/_bs32
+  --cpu-kernels-ab (alone, ~2-4 min): offline throughput with pdserve's fused C kernels
+     (common/model/cpu_kernels; bf16 on CPU) vs the same engine with PDSERVE_CPU_KERNELS=0,
+     two engines in this process, rounds alternating: c16-like (16 x 256-token prompts x 64
+     new tokens, chunked prefill + decode) and batch 1 (64-token prompt x 64 new)
+                                          -> cpu_kernels_speedup_c16, cpu_kernels_speedup_b1
 Last line: RESULT {json} with those keys, the tok/s behind them, the CPU (model, flags), the
 dtype and the load average at the start and the end (a shared box moves every figure).
 """
@@ -102,7 +107,41 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--decode-batch", type=int, default=32)
     ap.add_argument("--torch-compile", action="store_true",
                     help="also measure the --enable-torch-compile decode step (compiles buckets 1 and the decode batch)")
+    ap.add_argument("--cpu-kernels-ab", action="store_true",
+                    help="only the fused-C-kernels A/B (offline c16-like and batch 1), then RESULT")
     return ap.parse_args(argv)
+
+
+def cpu_kernels_ab(path: str, dtype_name: str, rounds: int) -> dict[str, Any]:
+    """Offline throughput, fused C kernels on vs off, both engines in this process (the env var
+    is read when a runner picks its ops and attention path)."""
+    engines = {}
+    for label, env in (("on", None), ("off", "0")):
+        before = os.environ.pop("PDSERVE_CPU_KERNELS", None)
+        if env is not None:
+            os.environ["PDSERVE_CPU_KERNELS"] = env
+        try:
+            engines[label] = Engine(path, dtype=dtype_name, **engine_args(16, disable_overlap_schedule=True) | {
+                "max_total_tokens": 16384, "chunked_prefill_size": 256})
+        finally:
+            os.environ.pop("PDSERVE_CPU_KERNELS", None)
+            if before is not None:
+                os.environ["PDSERVE_CPU_KERNELS"] = before
+    vocab = engines["on"].vocab_size
+    work = {"c16": uniform_work(16, vocab, (256, 256), 64, seed=3), "b1": uniform_work(1, vocab, (64, 64), 64, seed=4)}
+    for e in engines.values():
+        run_engine(e, uniform_work(2, vocab, (32, 96), 4, seed=9))  # warm up
+    result: dict[str, Any] = {}
+    for name, w in work.items():
+        toks = sum(n for _, n in w)
+        t_on, t_off = best_of(rounds, lambda w=w: run_engine(engines["on"], w), lambda w=w: run_engine(engines["off"], w))  # type: ignore[misc]
+        result[f"cpu_kernels_speedup_{name}"] = round(t_off / t_on, 3)
+        result[f"{name}_tok_s_kernels_on"], result[f"{name}_tok_s_kernels_off"] = round(toks / t_on, 1), round(toks / t_off, 1)
+        print(f"[cpu kernels {name}] {len(w)} x {len(w[0][0])} in / {w[0][1]} out: on {toks / t_on:.1f} tok/s, "
+              f"off {toks / t_off:.1f} tok/s ({t_off / t_on:.2f}x)", flush=True)
+    for e in engines.values():
+        e.shutdown()
+    return result
 
 
 def result_line(result: dict[str, Any]) -> str:
@@ -130,6 +169,10 @@ def main(argv: list[str] | None = None) -> None:
     print(f"CPU: {cpu['model']} flags {cpu['flags']} threads {cpu['threads']}; dtype {dtype_name}; "
           f"load average {load_start}", flush=True)
     result: dict[str, Any] = {"cpu": cpu, "dtype": dtype_name, "quick": args.quick}
+    if args.cpu_kernels_ab:
+        result.update(cpu_kernels_ab(path, dtype_name, 2 if args.quick else 3), load_avg=[load_start, load_avg()])
+        print("RESULT " + json.dumps(result))
+        return
     bs = max(size["uniform_prompts"], args.decode_batch)
     normal = Engine(path, dtype=dtype_name, **engine_args(bs, disable_overlap_schedule=True))
     vocab = normal.vocab_size

@@ -72,6 +72,19 @@ void silu_mul_bf16(const bf16* gu, bf16* out, int64_t T, int64_t I, int nthreads
   }
 }
 
+/* Pool row of `slot`'s layer-`layer` K (V: + page_size); page sizes are powers of two in
+ * practice, where this is a shift and a mask instead of a 64-bit division. */
+static inline int64_t pool_row(int64_t slot, int64_t page_size, int64_t num_layers, int64_t layer) {
+  int64_t page, off;
+  if ((page_size & (page_size - 1)) == 0) {
+    int sh = __builtin_ctzll((unsigned long long)page_size);
+    page = slot >> sh; off = slot & (page_size - 1);
+  } else {
+    page = slot / page_size; off = slot % page_size;
+  }
+  return page * 2 * num_layers * page_size + off + 2 * layer * page_size;
+}
+
 /* Rotate one head in place (HF rotate_half): [x1*c - x2*s | x2*c + x1*s], fp32, rounded once. */
 static inline void rotate(bf16* h, const float* cs, int64_t D) {
   int64_t half = D / 2;
@@ -100,8 +113,7 @@ void rope_kv_bf16(bf16* q, int64_t q_stride, bf16* k, int64_t k_stride, const bf
     for (int64_t h = 0; h < Hq; h++) rotate(qr + h * D, cs, D);
     for (int64_t h = 0; h < Hk; h++) rotate(kr + h * D, cs, D);
     if (pool) {
-      int64_t s = slots[t];
-      int64_t base = (s / page_size) * 2 * num_layers * page_size + s % page_size + 2 * layer * page_size;
+      int64_t base = pool_row(slots[t], page_size, num_layers, layer);
       int64_t kv = Hk * D;
       memcpy(pool + base * kv, kr, kv * sizeof(bf16));
       memcpy(pool + (base + page_size) * kv, v + t * v_stride, kv * sizeof(bf16));
@@ -124,43 +136,72 @@ static inline void load_f32(const bf16* p, float* out, int64_t D) {
 #endif
 }
 
-static inline float dot_f32_bf16(const float* q, const bf16* k, int64_t D) {
+static inline float dot_f32(const float* a, const float* b, int64_t D) {
 #ifdef __AVX512F__
   if ((D & 15) == 0) {
-    __m512 acc = _mm512_setzero_ps();
-    for (int64_t i = 0; i < D; i += 16) {
-      __m512 kv = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(k + i))), 16));
-      acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + i), kv, acc);
+    __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
+    int64_t i = 0;
+    for (; i + 32 <= D; i += 32) {
+      acc0 = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), acc0);
+      acc1 = _mm512_fmadd_ps(_mm512_loadu_ps(a + i + 16), _mm512_loadu_ps(b + i + 16), acc1);
     }
-    return _mm512_reduce_add_ps(acc);
+    if (i < D) acc0 = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), acc0);
+    return _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1));
   }
 #endif
   float acc = 0.f;
-  for (int64_t i = 0; i < D; i++) acc += q[i] * bf2f(k[i]);
+  for (int64_t i = 0; i < D; i++) acc += a[i] * b[i];
   return acc;
 }
 
-static inline void axpy_f32_bf16(float* o, float p, const bf16* v, int64_t D) {
+static inline void axpy_f32(float* o, float p, const float* v, int64_t D) {
 #ifdef __AVX512F__
   if ((D & 15) == 0) {
     __m512 pp = _mm512_set1_ps(p);
-    for (int64_t i = 0; i < D; i += 16) {
-      __m512 vv = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(v + i))), 16));
-      _mm512_storeu_ps(o + i, _mm512_fmadd_ps(pp, vv, _mm512_loadu_ps(o + i)));
-    }
+    for (int64_t i = 0; i < D; i += 16)
+      _mm512_storeu_ps(o + i, _mm512_fmadd_ps(pp, _mm512_loadu_ps(v + i), _mm512_loadu_ps(o + i)));
     return;
   }
 #endif
-  for (int64_t i = 0; i < D; i++) o[i] += p * bf2f(v[i]);
+  for (int64_t i = 0; i < D; i++) o[i] += p * v[i];
 }
 
 #define MAX_GROUP 16
 #define MAX_HEAD_DIM 256
+#define KEY_BLOCK 64  /* keys scored together: one max, one rescale, vectorised exp per block */
 
-/* One query token per row r (n rows): q [*, Hk * G, D] (row stride q_stride) row token[r], its keys are the first
- * seq_len[r] slots of req_to_token[req[r]] (int64, or int32 with rt_int32; row stride rt_stride), read in place from
- * the pool (layout as rope_kv_bf16). out [*, Hk * G * D] row token[r]. Online softmax per
- * (row, kv head) over the G query heads that share it; fp32 throughout, rounded once. */
+/* exp over n floats in place (n <= KEY_BLOCK); -inf -> 0. AVX-512: range reduction to
+ * 2^k * exp(r), |r| <= ln2/2, degree-6 polynomial (rel. error ~2e-7, far below bf16's 4e-3). */
+static inline void exp_inplace(float* x, int64_t n) {
+  int64_t i = 0;
+#ifdef __AVX512F__
+  const __m512 log2e = _mm512_set1_ps(1.44269504088896341f), ln2hi = _mm512_set1_ps(0.693359375f),
+               ln2lo = _mm512_set1_ps(-2.12194440e-4f), lo = _mm512_set1_ps(-87.3f), hi = _mm512_set1_ps(88.3f);
+  for (; i + 16 <= n; i += 16) {
+    __m512 v = _mm512_loadu_ps(x + i);
+    __mmask16 dead = _mm512_cmp_ps_mask(v, lo, _CMP_LT_OQ);
+    v = _mm512_min_ps(_mm512_max_ps(v, lo), hi);
+    __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(v, log2e), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_sub_ps(_mm512_sub_ps(v, _mm512_mul_ps(k, ln2hi)), _mm512_mul_ps(k, ln2lo));
+    __m512 p = _mm512_set1_ps(1.3981999507e-3f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    __m512 e = _mm512_scalef_ps(p, k);
+    _mm512_storeu_ps(x + i, _mm512_maskz_mov_ps(~dead, e));
+  }
+#endif
+  for (; i < n; i++) x[i] = expf(x[i]);
+}
+
+/* One query token per row r (n rows): q [*, Hk * G, D] (row stride q_stride) row token[r], its
+ * keys are the first seq_len[r] slots of req_to_token[req[r]] (int64, or int32 with rt_int32;
+ * row stride rt_stride), read in place from the pool (layout as rope_kv_bf16). out
+ * [*, Hk * G * D] row token[r]. Per (row, kv head) the G query heads that share it go through
+ * the keys in blocks of KEY_BLOCK: scores, then one online-softmax rescale per block, then the
+ * V sum; fp32 throughout, rounded once. */
 int decode_attention_bf16(const bf16* q, int64_t q_stride, bf16* out, const bf16* pool, const void* req_to_token,
                           int64_t rt_stride, int rt_int32, const int64_t* req, const int64_t* seq_len,
                           const int64_t* token, int64_t n, int64_t Hk, int64_t G, int64_t D,
@@ -174,7 +215,11 @@ int decode_attention_bf16(const bf16* q, int64_t q_stride, bf16* out, const bf16
     for (int64_t h = 0; h < Hk; h++) {
       float qf[MAX_GROUP][MAX_HEAD_DIM];
       float acc[MAX_GROUP][MAX_HEAD_DIM];
-      float m[MAX_GROUP], l[MAX_GROUP], sc[MAX_GROUP];
+      float sc[MAX_GROUP][KEY_BLOCK];
+      float m[MAX_GROUP], l[MAX_GROUP];
+      float kf[MAX_HEAD_DIM];
+      const bf16* kp[KEY_BLOCK];
+      const bf16* vp[KEY_BLOCK];
       const bf16* qr = q + token[r] * q_stride + h * G * D;
       for (int64_t g = 0; g < G; g++) {
         load_f32(qr + g * D, qf[g], D);
@@ -184,26 +229,36 @@ int decode_attention_bf16(const bf16* q, int64_t q_stride, bf16* out, const bf16
       const int64_t* slots64 = (const int64_t*)req_to_token + req[r] * rt_stride;
       const int32_t* slots32 = (const int32_t*)req_to_token + req[r] * rt_stride;
       int64_t L = seq_len[r];
-      for (int64_t j = 0; j < L; j++) {
-        int64_t s = rt_int32 ? (int64_t)slots32[j] : slots64[j];
-        int64_t base = (s / page_size) * 2 * num_layers * page_size + s % page_size + 2 * layer * page_size;
-        const bf16* k = pool + base * kvw + h * D;
-        const bf16* v = pool + (base + page_size) * kvw + h * D;
+      for (int64_t j0 = 0; j0 < L; j0 += KEY_BLOCK) {
+        int64_t nb = L - j0 < KEY_BLOCK ? L - j0 : KEY_BLOCK;
+        for (int64_t j = 0; j < nb; j++) {
+          int64_t base = pool_row(rt_int32 ? (int64_t)slots32[j0 + j] : slots64[j0 + j], page_size, num_layers, layer);
+          kp[j] = pool + base * kvw + h * D;
+          vp[j] = pool + (base + page_size) * kvw + h * D;
+        }
+        for (int64_t j = 0; j < nb; j++) {
+          load_f32(kp[j], kf, D);  /* converted once for the G heads */
+          for (int64_t g = 0; g < G; g++) sc[g][j] = dot_f32(qf[g], kf, D);
+        }
         for (int64_t g = 0; g < G; g++) {
-          float x = dot_f32_bf16(qf[g], k, D);
-          if (x > m[g]) {
-            float c = expf(m[g] - x);
-            l[g] *= c;
+          float mx = m[g];
+          for (int64_t j = 0; j < nb; j++) mx = sc[g][j] > mx ? sc[g][j] : mx;
+          float c = expf(m[g] - mx);  /* first block: exp(-inf) = 0 */
+          for (int64_t j = 0; j < nb; j++) sc[g][j] -= mx;
+          exp_inplace(sc[g], nb);
+          float sum = 0.f;
+          for (int64_t j = 0; j < nb; j++) sum += sc[g][j];
+          l[g] = l[g] * c + sum;
+          m[g] = mx;
+          if (c != 1.0f)
             for (int64_t i = 0; i < D; i++) acc[g][i] *= c;
-            m[g] = x;
-          }
-          float p = expf(x - m[g]);
-          l[g] += p;
-          axpy_f32_bf16(acc[g], p, v, D);
-          (void)sc;
+        }
+        for (int64_t j = 0; j < nb; j++) {
+          load_f32(vp[j], kf, D);
+          for (int64_t g = 0; g < G; g++) axpy_f32(acc[g], sc[g][j], kf, D);
         }
       }
-      bf16* o = out + (token[r] * Hk * G + h * G) * D;
+      bf16* o = out + token[r] * Hk * G * D + h * G * D;
       for (int64_t g = 0; g < G; g++) {
         float inv = l[g] > 0.f ? 1.0f / l[g] : 0.f;
         for (int64_t i = 0; i < D; i++) o[g * D + i] = f2bf(acc[g][i] * inv);
