@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import re
+import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -13,7 +14,7 @@ import httpx
 import pytest
 
 from common.cpu_layout import parse_cpu_list
-from tests.launch.pd_launch import PdLaunch
+from tests.launch.pd_launch import PD_SH, PdLaunch
 from tests.launch.test_pd_launch_local import local_args, local_ports
 
 LAYOUT_RE = re.compile(r"core layout on 127\.0\.0\.1: prefill-0 cpus (\S+) \((\d+) threads?\), "
@@ -100,3 +101,50 @@ def test_pd_sh_gives_each_engine_disjoint_cpus(tiny_llama_path: str, tmp_path: P
             cmdline = Path(f"/proc/{r.pid}/cmdline").read_bytes().split(b"\0")
             assert b"--cpu-omp-threads-bind" in cmdline
     assert run.stop() == 143  # SIGTERM: pd.sh stopped every role
+
+
+def _dry_run(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(["bash", str(PD_SH), "--dry-run", "--model-path", "/m", "--log-dir", str(tmp_path / "l"),
+                           *args], capture_output=True, text=True, timeout=60)
+
+
+def test_hosts_file_cpus_place_engines_router_and_frontends(tmp_path: Path) -> None:
+    # both engines on CPU 0 (asked for: warned, used), the router on 1, so 1 is spare: the
+    # frontends run there too
+    hosts = tmp_path / "hosts"
+    hosts.write_text("prefill 127.0.0.1 cpus=0\ndecode 127.0.0.1 31000 cpus=0\nrouter 127.0.0.1 cpus=1\n")
+    res = _dry_run(tmp_path, "--hosts", str(hosts))
+    assert res.returncode == 0, res.stderr
+    assert "pd.sh: WARNING: core layout on 127.0.0.1: prefill-0 and decode-0 share CPUs 0" in res.stderr
+    assert ("core layout on 127.0.0.1: prefill-0 cpus 0 (1 thread), decode-0 cpus 0 (1 thread), "
+            "router/frontends: 1\n") in res.stderr
+    lines = res.stdout.splitlines()
+    cmds = {line.split()[0]: lines[k + 1] for k, line in enumerate(lines) if " via: " in line}
+    for role in ("prefill-0", "decode-0"):
+        assert "exec env taskset -c 1 " in cmds[role] and " --cpu-omp-threads-bind 0 " in cmds[role], cmds[role]
+    assert "exec env taskset -c 1 " in cmds["router"] and "--cpu-omp-threads-bind" not in cmds["router"]
+
+
+def test_cpus_per_instance_zero_and_gpus_bind_nothing(tmp_path: Path) -> None:
+    for flags in (("--cpus-per-instance", "0"), ("--gpus-per-host", "2")):
+        res = _dry_run(tmp_path, *flags)
+        assert res.returncode == 0, res.stderr
+        assert "core layout" not in res.stderr and "--cpu-omp-threads-bind" not in res.stdout
+        assert "taskset" not in res.stdout
+
+
+def test_cpus_per_instance_beyond_the_host_warns(tmp_path: Path) -> None:
+    n = len(os.sched_getaffinity(0))
+    res = _dry_run(tmp_path, "--cpus-per-instance", str(n))
+    assert res.returncode == 0, res.stderr
+    assert f"2 engines x {n} CPUs > the {n} CPUs available" in res.stderr
+    assert "prefill-0 and decode-0 share CPUs" in res.stderr
+
+
+def test_bad_cpus_are_refused(tmp_path: Path) -> None:
+    hosts = tmp_path / "hosts"
+    hosts.write_text("prefill 127.0.0.1 cpus=0-x\ndecode 127.0.0.1\n")
+    res = _dry_run(tmp_path, "--hosts", str(hosts))
+    assert res.returncode == 2 and "cpus= takes a CPU list like 0-3,8, got '0-x'" in res.stderr
+    res = _dry_run(tmp_path, "--cpus-per-instance", "two")
+    assert res.returncode == 2 and "--cpus-per-instance must be a non-negative integer" in res.stderr
