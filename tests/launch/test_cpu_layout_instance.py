@@ -4,7 +4,10 @@ its engine process runs confined, with the preload mapped in (the frontend witho
 
 from __future__ import annotations
 
+import os
 import shutil
+import subprocess
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -76,3 +79,19 @@ def test_intel_openmp_preload_serves_the_same_tokens(real_server: Start) -> None
         outputs[libs] = r.json()["output_ids"]
         server.stop()
     assert outputs["iomp5"] == outputs["none"] and len(outputs["none"]) == 6
+
+
+def test_active_runtime_reads_the_live_process() -> None:
+    env = {**os.environ, "OMP_NUM_THREADS": "3"}
+    env.pop("LD_PRELOAD", None)
+    proc = subprocess.Popen(["taskset", "-c", "0", "sleep", "60"], env=env)
+    try:
+        deadline = time.monotonic() + 10
+        while Path(f"/proc/{proc.pid}/exe").resolve().name != "sleep":  # taskset has exec'd sleep
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        info = cpu_runtime.active_runtime(proc.pid)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert info == {"allocator": "glibc", "openmp": "none", "cpus": [0], "threads": 3}
