@@ -26,11 +26,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shlex
 import sys
 import time
 from pathlib import Path
 
+from machine_info import cpu_name
 from peer_client import Workload, run_workloads
 from peer_report import SystemResult, format_table, result
 from peer_systems import REPO, StartConfig, SystemSpec, SystemStartError, running
@@ -87,7 +89,7 @@ def model_path(arg: str | None) -> str:
 
 def measure(spec: SystemSpec, cfg: StartConfig, work: list[Workload], client_timeout_s: float) -> SystemResult:
     """Start, measure, stop one system; every failure ends up as a reason in the result."""
-    res = SystemResult(spec.name, f"{spec.kind}:{spec.arg}")
+    res = SystemResult(spec.name, f"{spec.kind}:{spec.arg}", load_before=round(os.getloadavg()[0], 2))
     t0 = time.monotonic()
     print(f"peer: [{spec.name}] starting {res.spec}", file=sys.stderr, flush=True)
     try:
@@ -114,6 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     systems = [measure(spec, cfg, work, args.client_timeout) for spec in args.specs]
     names = [w.name for w in work]
     res = result(systems, names)
+    res["machine"] = {"cpu": cpu_name(), "cpus": os.cpu_count()}
     res["config"] = {"model_path": cfg.model_path, "dtype": args.dtype, "input_len": args.input_len,
                      "output_len": args.output_len, **{w.name: {"prompts": w.num_prompts, "concurrency": w.concurrency,
                                                                 "warmup": w.warmup} for w in work}}

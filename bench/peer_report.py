@@ -69,6 +69,7 @@ class SystemResult:
     outcomes: dict[str, Outcome] = field(default_factory=dict)
     error: str | None = None  # the system did not start, or broke outside a workload
     url: str | None = None  # where it served
+    load_before: float | None = None  # 1-min load average just before it started (others' load)
 
     def figures(self, workload: str) -> Figures | None:
         o = self.outcomes.get(workload)
@@ -93,6 +94,8 @@ def result(systems: list[SystemResult], workloads: list[str]) -> dict[str, Any]:
     for r in RATIOS:
         num, den = out.get(r.num), out.get(r.den)
         out[r.key] = round(num / den, 4) if num is not None and den else None
+    out["load_before"] = {s.name: s.load_before for s in systems}
+    out["setups"] = {s.name: s.spec for s in systems}
     out["endpoints"] = {s.name: s.url for s in systems}
     out["goals"] = {f"{g.ratio}{g.op}{g.bound}": _met(out[g.ratio], g) for g in GOALS}
     out["errors"] = errors
@@ -113,8 +116,9 @@ TABLE = (("b1", "tpot_ms"), ("b1", "ttft_p50_ms"), ("c16", "out_tok_s"), ("c16",
 def format_table(systems: list[SystemResult], workloads: list[str], res: dict[str, Any]) -> str:
     by_key = {m.key: m for m in METRICS}
     cols = [(w, by_key[k]) for w, k in TABLE if w in workloads]
-    header = ["system"] + [f"{w}: {m.header}" for w, m in cols]
-    rows = [[s.name] + [_cell(res[f"{s.name}_{w}_{m.key}"]) for w, m in cols] for s in systems]
+    header = ["system"] + [f"{w}: {m.header}" for w, m in cols] + ["load before"]
+    rows = [[s.name] + [_cell(res[f"{s.name}_{w}_{m.key}"]) for w, m in cols] + [_cell(s.load_before, 2)]
+            for s in systems]
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
     lines = ["  ".join(c.rjust(widths[i]) if i else c.ljust(widths[i]) for i, c in enumerate(r))
              for r in [header, *rows]]
