@@ -28,6 +28,7 @@ import argparse
 import json
 import os
 import shlex
+import signal
 import sys
 import time
 from pathlib import Path
@@ -109,6 +110,8 @@ def measure(spec: SystemSpec, cfg: StartConfig, work: list[Workload], client_tim
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    # SIGTERM unwinds like Ctrl-C: the running system and the client are stopped on the way out
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     log_dir = (args.log_dir or REPO / "logs" / f"peer-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
     cfg = StartConfig(model_path(args.model_path), args.dtype, shlex.split(args.launch_args), args.ready_timeout,
                       args.stop_timeout, log_dir)

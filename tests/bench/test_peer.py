@@ -9,6 +9,7 @@ The run (one peer.py process, tiny workloads, the tiny llama in float32):
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -19,8 +20,8 @@ from peer_client import Figures, Outcome
 from peer_report import RATIOS, SystemResult, result
 from peer_systems import SystemSpec, command_url
 
-from tests.bench.bench_fakes import BENCH, REPO, FakeServer
-from tests.harness.process import http_ok
+from tests.bench.bench_fakes import BENCH, HERE, REPO, FakeServer
+from tests.harness.process import ChildProcess, free_port, http_ok
 from tests.launch.pd_launch import group_alive
 
 PROMPTS = 4
@@ -99,6 +100,24 @@ def test_started_systems_are_stopped(peer_run: PeerRun) -> None:
     endpoints = peer_run.result["endpoints"]
     assert endpoints["pd"] is None and endpoints["vllm"] == peer_run.fake.url
     assert not http_ok(endpoints["colocated"] + "/v1/models", status=None, timeout_s=2.0)
+
+
+def test_sigterm_stops_the_running_system(tiny_llama_path: str, tmp_path: Path) -> None:
+    """peer.py killed mid-run takes the system it started down with it (no server left on its port)."""
+    port = free_port()
+    server = f"{sys.executable} {HERE / 'fake_openai_server.py'} --port {port} --model-path {{model}}"
+    argv = [sys.executable, str(BENCH / "peer.py"), "--model-path", tiny_llama_path, "--log-dir", str(tmp_path),
+            "--b1-prompts", "1000", "--ready-timeout", "60", "--stop-timeout", "10", "--system", f"fake=cmd:{server}"]
+    peer = ChildProcess(argv, "peer", pythonpath=None)
+    url = f"http://127.0.0.1:{port}/v1/models"
+    try:
+        peer.wait_http(url, 60.0)
+        assert peer.popen is not None
+        peer.popen.send_signal(signal.SIGTERM)
+        assert peer.popen.wait(30) == 128 + signal.SIGTERM, peer.log()
+        assert not http_ok(url, status=None, timeout_s=2.0), peer.log()
+    finally:
+        peer.close()
 
 
 def test_spec_parsing() -> None:
