@@ -29,8 +29,8 @@ and each side keeps its best, so load from elsewhere on a shared box hits both a
      with --torch-compile: the inductor-compiled decode step vs the eager (prepacked) one
                                                               -> compile_speedup_b1/_bs32
   --cpu-kernels-ab (alone, ~2-4 min): offline throughput with pdserve's fused C kernels
-     (common/model/cpu_kernels; bf16 on CPU) vs the same engine with PDSERVE_CPU_KERNELS=0,
-     two engines in this process, rounds alternating: c16-like (16 x 256-token prompts x 64
+     (common/model/cpu_kernels; bf16 on CPU) vs torch's ops, swapped in one engine between
+     rounds, rounds alternating: c16-like (16 x 256-token prompts x 64
      new tokens, chunked prefill + decode) and batch 1 (64-token prompt x 64 new)
                                           -> cpu_kernels_speedup_c16, cpu_kernels_speedup_b1
 Last line: RESULT {json} with those keys, the tok/s behind them, the CPU (model, flags), the
@@ -63,8 +63,10 @@ from engine_parts import (
 from common.engine import Engine
 from common.model.compiled_decode import CompileCapture
 from common.model.config import resolve_dtype
+from common.model.cpu_fused_ops import CpuFusedOps
 from common.model.decode_graphs import SomeBuckets
 from common.model.default_model import resolve_model_path
+from common.model.fused_ops import TorchOps
 from common.model.model_runner import ModelRunner
 
 SIZES = {  # quick, full
@@ -113,34 +115,36 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def cpu_kernels_ab(path: str, dtype_name: str, rounds: int) -> dict[str, Any]:
-    """Offline throughput, fused C kernels on vs off, both engines in this process (the env var
-    is read when a runner picks its ops and attention path)."""
-    engines = {}
-    for label, env in (("on", None), ("off", "0")):
-        before = os.environ.pop("PDSERVE_CPU_KERNELS", None)
-        if env is not None:
-            os.environ["PDSERVE_CPU_KERNELS"] = env
-        try:
-            engines[label] = Engine(path, dtype=dtype_name, **engine_args(16, disable_overlap_schedule=True) | {
-                "max_total_tokens": 16384, "chunked_prefill_size": 256})
-        finally:
-            os.environ.pop("PDSERVE_CPU_KERNELS", None)
-            if before is not None:
-                os.environ["PDSERVE_CPU_KERNELS"] = before
-    vocab = engines["on"].vocab_size
+    """Offline throughput, fused C kernels on vs off, in ONE engine: between rounds the runner's
+    ops (CpuFusedOps / TorchOps) and its attention backend's decode kernel are swapped, so both
+    sides share the weights, the pool, the threads and whatever load the box has."""
+    engine = Engine(path, dtype=dtype_name, **engine_args(16, disable_overlap_schedule=True) | {
+        "max_total_tokens": 16384, "chunked_prefill_size": 256})
+    runner = engine.core.runner
+    backend = runner.attn_backend
+    fused_ops, kernels = runner.model.ops, getattr(backend, "_kernels", None)
+    if not isinstance(fused_ops, CpuFusedOps) or kernels is None:
+        raise SystemExit(f"the fused CPU kernels are not active here (ops {type(fused_ops).__name__}); "
+                         "they need a CPU, bf16 and a C compiler")
+
+    def run(on: bool, w: list[tuple[list[int], int]]) -> float:
+        runner.model.ops, backend._kernels = (fused_ops, kernels) if on else (TorchOps(), None)  # type: ignore[attr-defined]
+        return run_engine(engine, w)
+
+    vocab = engine.vocab_size
     work = {"c16": uniform_work(16, vocab, (256, 256), 64, seed=3), "b1": uniform_work(1, vocab, (64, 64), 64, seed=4)}
-    for e in engines.values():
-        run_engine(e, uniform_work(2, vocab, (32, 96), 4, seed=9))  # warm up
+    for on in (True, False):
+        run(on, uniform_work(2, vocab, (32, 96), 4, seed=9))  # warm up
     result: dict[str, Any] = {}
     for name, w in work.items():
         toks = sum(n for _, n in w)
-        t_on, t_off = best_of(rounds, lambda w=w: run_engine(engines["on"], w), lambda w=w: run_engine(engines["off"], w))  # type: ignore[misc]
+        t_on, t_off = best_of(rounds, lambda w=w: run(True, w), lambda w=w: run(False, w))  # type: ignore[misc]
         result[f"cpu_kernels_speedup_{name}"] = round(t_off / t_on, 3)
         result[f"{name}_tok_s_kernels_on"], result[f"{name}_tok_s_kernels_off"] = round(toks / t_on, 1), round(toks / t_off, 1)
         print(f"[cpu kernels {name}] {len(w)} x {len(w[0][0])} in / {w[0][1]} out: on {toks / t_on:.1f} tok/s, "
               f"off {toks / t_off:.1f} tok/s ({t_off / t_on:.2f}x)", flush=True)
-    for e in engines.values():
-        e.shutdown()
+    runner.model.ops, backend._kernels = fused_ops, kernels  # type: ignore[attr-defined]
+    engine.shutdown()
     return result
 
 

@@ -59,10 +59,26 @@ def bucket_rows(rows: int, bucket: int) -> int:
     return 1 << (rows - 1).bit_length()
 
 
+def split_rows(rows: int, bucket: int) -> int:
+    """Rows of a first GEMM when splitting `rows` in two computes fewer padded rows than one
+    bucket_rows GEMM: the whole multiples of `bucket`, the rest padded on its own (a power of two
+    below `bucket`); 0 = no split. Both parts' shapes are bucket_rows shapes, so the set of
+    shapes stays bounded. A mixed step of one 256-token chunk + 15 decode rows: 256 + 16 padded
+    rows instead of 320 (18% less GEMM work). Splits only where it saves half a bucket or more:
+    the second GEMM streams the weight again."""
+    if bucket <= 0 or rows <= bucket:
+        return 0
+    head = rows // bucket * bucket
+    # the second GEMM streams the weight once more: worth it only for half a bucket of rows saved
+    if head == rows or bucket_rows(rows, bucket) - head - bucket_rows(rows - head, bucket) < bucket // 2:
+        return 0
+    return head
+
+
 @contextlib.contextmanager
 def padded_rows(bucket: int) -> Iterator[None]:
-    """Within this block (this thread only) every PackedLinear pads its rows per bucket_rows and
-    drops the padding from its output: prefill's chunks of any length then run a bounded set of
+    """Within this block (this thread only) every PackedLinear pads its rows per bucket_rows (in
+    two GEMMs where split_rows says that pads less) and drops the padding from its output: prefill's chunks of any length then run a bounded set of
     GEMM shapes (prefill_server/onednn_cache.py says why that matters). Rows are independent in
     a linear, so the real rows' outputs are those of the unpadded call."""
     before = getattr(_rows_bucket, "value", 0)
@@ -117,7 +133,15 @@ class PackedLinear(RowsLinear):
         if self.plain_weight is not None and rows.shape[0] <= COMPILED_TEMPLATE_MAX_ROWS and compiling:
             return F.linear(rows, self.plain_weight, self.bias)
         n = rows.shape[0]
-        padded = n if compiling else bucket_rows(n, getattr(_rows_bucket, "value", 0))
+        bucket = 0 if compiling else getattr(_rows_bucket, "value", 0)
+        head = split_rows(n, bucket)
+        if head:  # e.g. 271 rows under bucket 64: 256 + 15 (run as 16), not one GEMM of 320
+            return torch.cat([self._padded(rows[:head], bucket), self._padded(rows[head:], bucket)])
+        return self._padded(rows, bucket)
+
+    def _padded(self, rows: torch.Tensor, bucket: int) -> torch.Tensor:
+        n = rows.shape[0]
+        padded = bucket_rows(n, bucket)
         if padded != n:
             rows = torch.cat([rows, rows.new_zeros(padded - n, rows.shape[1])])
         out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(rows, self.packed_weight, self.bias, "none", [], "")

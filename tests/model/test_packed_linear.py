@@ -56,6 +56,34 @@ def test_bucket_rows_powers_of_two_then_multiples() -> None:
     assert len(shapes) == 6 + 8192 // 64  # 1..32, then one per multiple of 64
 
 
+def test_split_rows_only_where_it_saves_half_a_bucket() -> None:
+    got = {n: packed_linear.split_rows(n, 64) for n in (1, 64, 65, 100, 271, 300, 527, 600)}
+    assert got == {1: 0, 64: 0, 65: 64, 100: 0, 271: 256, 300: 0, 527: 512, 600: 576}
+    assert packed_linear.split_rows(271, 0) == 0
+    for n in range(1, 2049):  # both parts are bucket_rows shapes
+        head = packed_linear.split_rows(n, 64)
+        if head:
+            assert head % 64 == 0 and 0 < n - head < 64
+
+
+@needs_mkldnn
+def test_split_rows_run_two_gemms_with_the_same_numbers() -> None:
+    torch.manual_seed(0)
+    linear = nn.Linear(64, 96)
+    packed = PackedLinear(linear.weight, linear.bias)
+    x = torch.randn(271, 64)
+    got: list[torch.Tensor] = []
+
+    def padded() -> None:
+        with torch.inference_mode(), packed_linear.padded_rows(64):
+            got.append(packed(x))
+
+    with torch.inference_mode():
+        want = packed(x)
+    assert linear_rows_run(padded) == [256, 16]
+    assert torch.equal(got[0], want)
+
+
 def linear_rows_run(fn: object) -> list[int]:
     """Row counts oneDNN's packed linear ran on while fn() ran (the profiler records real op inputs)."""
     from torch.profiler import ProfilerActivity, profile
