@@ -29,6 +29,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -59,6 +60,12 @@ class CpuKernels:
     """The loaded library: one attribute per kernel (ctypes functions with their argtypes set).
     `calls` counts kernel calls made through the wrappers (bench/step_ops.py reports it beside
     torch's operator count, which does not see them)."""
+
+    add_rms_norm_bf16: Callable[..., None]
+    rms_norm_bf16: Callable[..., None]
+    silu_mul_bf16: Callable[..., None]
+    rope_kv_bf16: Callable[..., None]
+    decode_attention_bf16: Callable[..., int]
 
     def __init__(self, lib: ctypes.CDLL, path: Path) -> None:
         self.lib = lib
