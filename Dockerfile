@@ -33,6 +33,14 @@ RUN pip wheel --no-cache-dir --no-deps --wheel-dir /dist .
 
 # ---- the two bases
 FROM debian:bookworm-slim AS base-cpu
+# The fused CPU kernels (common/model/cpu_kernels) are built at first use with -march=native, so
+# for the CPU the image runs on: they need a C compiler there (without one the engine keeps
+# torch's slower ops and logs it). bookworm's gcc 12 (omp.h, libgomp); unpinned on purpose: an
+# exact Debian version disappears with the next security update and breaks the build.
+# hadolint ignore=DL3008
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends gcc libc6-dev \
+    && rm -rf /var/lib/apt/lists/*
 FROM ${CUDA_BASE_IMAGE} AS base-cuda
 
 # ---- the image
