@@ -8,7 +8,8 @@ Default model's attention shape (SmolLM2-135M: 9 query heads, 3 KV heads, head_d
    mask) and a chunk without prefix (is_causal).
 2. Decode through TorchAttentionBackend (one layer, pages scattered over a pool): all rows in
    one padded group (what the backend did before) vs decode_groups (length groups cut to
-   cache-sized pieces), on mixed lengths 50-768 and on uniform lengths 500.
+   cache-sized pieces), on mixed lengths 50-768 and on uniform lengths 500; and the fused C
+   kernel (common/model/cpu_kernels: every row in one call, pages read in place, no gather).
 Last line: RESULT {json}.
 """
 
@@ -37,8 +38,9 @@ def timed(fn: Callable[[], torch.Tensor], reps: int = 10) -> float:
     return (time.perf_counter() - t0) / reps * 1e3
 
 
-def decode_ms(lengths: list[int], heads: int, kv_heads: int, head_dim: int) -> tuple[float, float, float]:
-    """(one group ms, grouped ms, max |diff|) for one decode layer over these sequence lengths."""
+def decode_ms(lengths: list[int], heads: int, kv_heads: int, head_dim: int) -> tuple[float, float, float | None, float]:
+    """(one group ms, grouped ms, fused kernel ms or None without it, max |diff| of the three)
+    for one decode layer over these sequence lengths."""
     page = 16
     pages_per_req = [(n + page - 1) // page for n in lengths]
     pool = KVPool(num_layers=1, num_pages=sum(pages_per_req) + 1, page_size=page, num_kv_heads=kv_heads,
@@ -57,14 +59,19 @@ def decode_ms(lengths: list[int], heads: int, kv_heads: int, head_dim: int) -> t
     backend = torch_backend.TorchAttentionBackend(shape=shape, kv_pool=pool, req_to_token=r2t)
     q = torch.randn(len(lengths), heads, head_dim, dtype=torch.bfloat16)
     grouped = torch_backend.decode_groups
+    kernels, backend._kernels = backend._kernels, None  # gather + SDPA first
     results = []
     for groups in (lambda n: [list(range(len(n)))], grouped):
         torch_backend.decode_groups = groups
         backend.init_forward_metadata(batch)
         results.append((timed(lambda: backend.forward(q, q, q, 0, batch), reps=20), backend.forward(q, q, q, 0, batch)))
     torch_backend.decode_groups = grouped
-    diff = (results[0][1].float() - results[1][1].float()).abs().max().item()
-    return results[0][0], results[1][0], diff
+    if kernels is not None:
+        backend._kernels = kernels
+        backend.init_forward_metadata(batch)
+        results.append((timed(lambda: backend.forward(q, q, q, 0, batch), reps=20), backend.forward(q, q, q, 0, batch)))
+    diff = max((r[1].float() - results[0][1].float()).abs().max().item() for r in results)
+    return results[0][0], results[1][0], results[2][0] if kernels is not None else None, diff
 
 
 def main() -> None:
@@ -107,11 +114,13 @@ def main() -> None:
     rng = random.Random(1)
     for name, lengths in (("mixed", [rng.randint(50, 768) for _ in range(a.decode_batch)]),
                           ("uniform", [500] * a.decode_batch)):
-        one, grouped, diff = decode_ms(lengths, a.heads, a.kv_heads, d)
+        one, grouped, fused, diff = decode_ms(lengths, a.heads, a.kv_heads, d)
         res[f"decode_{name}_one_group_ms"], res[f"decode_{name}_grouped_ms"] = one, grouped
         res[f"decode_{name}_speedup"] = one / grouped
+        if fused is not None:
+            res[f"decode_{name}_fused_ms"], res[f"decode_{name}_fused_vs_grouped"] = fused, grouped / fused
         print(f"decode {a.decode_batch} rows, {name} lengths: one group {one:.2f} ms, grouped {grouped:.2f} ms "
-              f"({one / grouped:.2f}x); max |diff| {diff:.2e}")
+              f"({one / grouped:.2f}x), fused kernel {'-' if fused is None else f'{fused:.2f}'} ms; max |diff| {diff:.2e}")
     print("RESULT " + json.dumps({k2: round(v2, 4) for k2, v2 in res.items()}))
 
 

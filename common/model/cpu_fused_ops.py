@@ -88,8 +88,9 @@ class CpuFusedOps(TorchOps):
         if write:
             assert pool is not None and v is not None and slots is not None
             ok = ok and pool.dtype == BF16 and pool.device.type == "cpu" and _rows_ok(v, d) and v.shape == k.shape
-        if not ok:
-            return super().rope_kv(q, k, v, table, pool, layer, slots)
+        if not ok:  # TorchOps' rope (not self.rope: that comes back here), the caller writes K/V
+            q, k = TorchOps.rope(self, q, k, table)
+            return q, k, False
         positions = table.positions if table.positions.dtype == torch.int64 else table.positions.long()
         positions = positions.contiguous()
         if write:

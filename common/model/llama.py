@@ -68,11 +68,9 @@ class LlamaAttention(nn.Module):
         backend: AttentionBackend,
         ops: TorchOps = TORCH_OPS,
     ) -> torch.Tensor:
-        n = x.shape[0]
-        q, k, v = self.qkv_proj(x).split(self.sizes, dim=-1)
-        q = q.reshape(n, self.num_heads, self.head_dim)
-        k = k.reshape(n, self.num_kv_heads, self.head_dim)
-        v = v.reshape(n, self.num_kv_heads, self.head_dim)
+        # one view + one split (strided [n, heads, D] views of the qkv rows): 2 operators, not 4
+        qkv = self.qkv_proj(x).view(x.shape[0], -1, self.head_dim)
+        q, k, v = qkv.split([self.num_heads, self.num_kv_heads, self.num_kv_heads], dim=1)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, written = ops.rope_kv(q, k, v, rope, kv_pool, self.layer_id, batch.out_cache_loc)

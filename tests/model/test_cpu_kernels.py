@@ -87,6 +87,9 @@ def test_rope_kv_rotates_in_place_and_writes_the_pool_like_set_kv(ops: CpuFusedO
     assert pools[1].kv[:, [0, 2]].abs().sum() == 0  # other layers untouched
     q2, k2 = ops.rope(*views(qkv.clone())[:2], table)  # rope alone writes nothing
     torch.testing.assert_close(q2, want_q, **TOL)
+    q3, k3, written = ops.rope_kv(*views(qkv.float()), table, pools[1], 1, slots)  # fp32: torch's rope, no write
+    assert not written
+    torch.testing.assert_close(q3, table.apply(*views(qkv.float())[:2])[0], rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("page_size", [1, 4, 16])
