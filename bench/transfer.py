@@ -319,7 +319,7 @@ def main() -> None:
                     help="only the 1,024-token request, process to process on this device, tight-polled")
     a = ap.parse_args()
     if a.device is not None:
-        from bench.transfer_device import device_request_case
+        from transfer_device import device_request_case
 
         print("RESULT " + json.dumps(device_request_case(a.device, max(a.reps, 20 if a.device == "cuda" else 3))))
         return

@@ -69,7 +69,7 @@ def _pages(seed: int, chunk: int) -> list[int]:
     """The request's 64 pages on an allocator churned like a serving pool, allocated in `chunk`-
     token pieces as the schedulers do (prefill: two 512-token chunks; decode: the whole prompt),
     exactly as bench/transfer.py's request case."""
-    from bench.transfer import churned
+    from transfer import churned
 
     alloc = churned(NUM_PAGES, POOL["page_size"], seed=seed)
     pages, last = [], None
