@@ -29,8 +29,8 @@ and each side keeps its best, so load from elsewhere on a shared box hits both a
      with --torch-compile: the inductor-compiled decode step vs the eager (prepacked) one
                                                               -> compile_speedup_b1/_bs32
   --cpu-kernels-ab (alone, ~2-4 min): offline throughput with pdserve's fused C kernels
-     (common/model/cpu_kernels; bf16 on CPU) vs torch's ops, swapped in one engine between
-     rounds, rounds alternating: c16-like (16 x 256-token prompts x 64
+     (common/model/cpu_kernels; bf16 on CPU: fused ops, decode attention, batch-1 linears) vs
+     torch's ops and oneDNN alone, swapped in one engine between rounds, rounds alternating: c16-like (16 x 256-token prompts x 64
      new tokens, chunked prefill + decode) and batch 1 (64-token prompt x 64 new)
                                           -> cpu_kernels_speedup_c16, cpu_kernels_speedup_b1
 Last line: RESULT {json} with those keys, the tok/s behind them, the CPU (model, flags), the
@@ -68,6 +68,7 @@ from common.model.decode_graphs import SomeBuckets
 from common.model.default_model import resolve_model_path
 from common.model.fused_ops import TorchOps
 from common.model.model_runner import ModelRunner
+from common.model.packed_linear import PackedLinear
 
 SIZES = {  # quick, full
     "uniform_prompts": (8, 32),
@@ -127,8 +128,15 @@ def cpu_kernels_ab(path: str, dtype_name: str, rounds: int) -> dict[str, Any]:
         raise SystemExit(f"the fused CPU kernels are not active here (ops {type(fused_ops).__name__}); "
                          "they need a CPU, bf16 and a C compiler")
 
-    def run(on: bool, w: list[tuple[list[int], int]]) -> float:
+    packed = [m for m in runner.model.modules() if isinstance(m, PackedLinear) and m._gemv is not None]
+
+    def switch(on: bool) -> None:
         runner.model.ops, backend._kernels = (fused_ops, kernels) if on else (TorchOps(), None)  # type: ignore[attr-defined]
+        for m in packed:
+            m._gemv = kernels if on else None
+
+    def run(on: bool, w: list[tuple[list[int], int]]) -> float:
+        switch(on)
         return run_engine(engine, w)
 
     vocab = engine.vocab_size
@@ -143,7 +151,7 @@ def cpu_kernels_ab(path: str, dtype_name: str, rounds: int) -> dict[str, Any]:
         result[f"{name}_tok_s_kernels_on"], result[f"{name}_tok_s_kernels_off"] = round(toks / t_on, 1), round(toks / t_off, 1)
         print(f"[cpu kernels {name}] {len(w)} x {len(w[0][0])} in / {w[0][1]} out: on {toks / t_on:.1f} tok/s, "
               f"off {toks / t_off:.1f} tok/s ({t_off / t_on:.2f}x)", flush=True)
-    runner.model.ops, backend._kernels = fused_ops, kernels  # type: ignore[attr-defined]
+    switch(True)
     engine.shutdown()
     return result
 

@@ -10,6 +10,11 @@ nothing per call. Measured on that box (all 121 linears of SmolLM2-135M, fp32, m
     nn.Linear        44.6   73.2   118.7  164.9  492.1
     packed oneDNN    28.4   41.7   81.9   138.8  460.3     (bench/engine.py part 4)
 
+In bf16, one row (batch-1 decode) goes through pdserve's gemv_packed_bf16 (cpu_kernels) on
+the same packed buffer where it reads oneDNN's layout right (checked per weight at load):
+all 121 linears of the default model, 2 threads, weights streamed from memory (Xeon with
+AMX): oneDNN 26 ms, the kernel 18.5 ms per step.
+
 This is what inductor's CPU backend does with `freezing` (mkldnn linear + weight prepack),
 without compiling anything. Used on CPU for float32, and for bfloat16 only where the CPU
 has native bf16 (common.model.config.cpu_has_native_bf16); never on CUDA.
@@ -28,6 +33,7 @@ C++ GEMM template packs its own way. Measured on the AVX2 EPYC (all 121 linears,
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 from collections.abc import Callable, Iterator
 
@@ -36,6 +42,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from common.model.config import cpu_has_native_bf16
+from common.model.cpu_kernels import CpuKernels
 
 # oneDNN picks its blocked layout for this many rows; one packing serves every batch size
 # (packed for 32 rows it beat packing for 1 row at every size measured, 1..256).
@@ -127,17 +134,33 @@ class PackedLinear(RowsLinear):
         )
         self.plain_weight = nn.Parameter(weight.detach(), requires_grad=False) if keep_plain else None
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
+        self._gemv = _batch1_kernels(self)
+        self._gemv_weight: tuple[torch.Tensor, int] | None = None  # (packed_weight, its data pointer)
 
     def _rows(self, rows: torch.Tensor) -> torch.Tensor:
         compiling = torch.compiler.is_compiling()
         if self.plain_weight is not None and rows.shape[0] <= COMPILED_TEMPLATE_MAX_ROWS and compiling:
             return F.linear(rows, self.plain_weight, self.bias)
         n = rows.shape[0]
+        if n == 1 and self._gemv is not None and not compiling:
+            return self._batch1(rows, self._gemv)
         bucket = 0 if compiling else getattr(_rows_bucket, "value", 0)
         head = split_rows(n, bucket)
         if head:  # e.g. 271 rows under bucket 64: 256 + 15 (run as 16), not one GEMM of 320
             return torch.cat([self._padded(rows[:head], bucket), self._padded(rows[head:], bucket)])
         return self._padded(rows, bucket)
+
+    def _batch1(self, rows: torch.Tensor, kernels: CpuKernels) -> torch.Tensor:
+        """One row through gemv_packed_bf16 on the oneDNN-packed weight itself (no second copy)."""
+        if self._gemv_weight is None or self._gemv_weight[0] is not self.packed_weight:  # mkldnn.data_ptr is an op: once
+            self._gemv_weight = (self.packed_weight, torch.ops.mkldnn.data_ptr(self.packed_weight))
+        out = rows.new_empty(1, self.out_features)
+        bias = self.bias.data_ptr() if self.bias is not None else None
+        kernels.calls += 1
+        rc = kernels.gemv_packed_bf16(rows.data_ptr(), self._gemv_weight[1], bias,
+                                      out.data_ptr(), self.in_features, self.out_features, torch.get_num_threads())
+        assert rc == 0, "gemv_packed_bf16 refused a weight it passed _batch1_kernels with"
+        return out
 
     def _padded(self, rows: torch.Tensor, bucket: int) -> torch.Tensor:
         n = rows.shape[0]
@@ -146,6 +169,32 @@ class PackedLinear(RowsLinear):
             rows = torch.cat([rows, rows.new_zeros(padded - n, rows.shape[1])])
         out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(rows, self.packed_weight, self.bias, "none", [], "")
         return out if padded == n else out[:n]
+
+
+def _batch1_kernels(linear: PackedLinear) -> CpuKernels | None:
+    """pdserve's batch-1 kernel for this bf16 packed weight, when it reads oneDNN's layout right:
+    checked once against oneDNN on a random row (a layout it does not know is off by O(1);
+    accumulation order by a few bf16 ulps). None: oneDNN serves batch 1 too."""
+    w = linear.packed_weight
+    if w.dtype != torch.bfloat16 or linear.in_features % 32 or linear.out_features % 32:
+        return None
+    if os.environ.get("PDSERVE_CPU_KERNELS", "1") == "0":
+        return None
+    from common.model.cpu_kernels import cpu_kernels
+
+    kernels = cpu_kernels()
+    if kernels is None or torch.ops.mkldnn._nbytes(w) != 2 * linear.in_features * linear.out_features:
+        return None
+    x = torch.randn(1, linear.in_features, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    want = torch.ops.mkldnn._linear_pointwise(x, w, linear.bias, "none", [], "").float()
+    out = torch.empty(1, linear.out_features, dtype=torch.bfloat16)
+    bias = linear.bias.data_ptr() if linear.bias is not None else None
+    rc = kernels.gemv_packed_bf16(x.data_ptr(), torch.ops.mkldnn.data_ptr(w), bias, out.data_ptr(),
+                                  linear.in_features, linear.out_features, 1)
+    if rc != 0:
+        return None
+    err = (out.float() - want).abs().max().item()
+    return kernels if err <= 2e-2 * max(1.0, want.abs().max().item()) else None
 
 
 def replace_linears(model: nn.Module, make: Callable[[nn.Linear], nn.Module]) -> int:

@@ -149,3 +149,29 @@ def test_fallbacks(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     finally:
         cpu_kernels.cache_clear()
     assert cpu_kernels_module.ENV_DISABLE == "PDSERVE_CPU_KERNELS"
+
+
+@pytest.mark.parametrize(("out_features", "in_features", "bias"), [(960, 576, True), (3072, 576, False), (576, 1536, False)])
+def test_batch1_linear_reads_the_onednn_packed_weight(ops: CpuFusedOps, out_features: int, in_features: int,
+                                                      bias: bool) -> None:
+    """One row: gemv_packed_bf16 on PackedLinear's own oneDNN buffer, against oneDNN on the same
+    weight; two rows and shapes that are not whole 32 x 32 blocks stay on oneDNN."""
+    from common.model.packed_linear import PackedLinear, prepack_supported
+
+    if not prepack_supported(torch.device("cpu"), BF16):
+        pytest.skip("no native bf16 here: bf16 weights are not prepacked")
+    w, b = _rand(out_features, in_features, seed=8), (_rand(out_features, seed=9) if bias else None)
+    linear = PackedLinear(w, b)
+    if linear._gemv is None:
+        pytest.skip("no AVX512-BF16 (or another packed layout): oneDNN serves batch 1")
+    x = _rand(1, in_features, seed=10)
+    want = torch.ops.mkldnn._linear_pointwise(x, linear.packed_weight, linear.bias, "none", [], "")
+    kernels = linear._gemv
+    before = kernels.calls
+    got = linear(x)
+    assert kernels.calls == before + 1
+    torch.testing.assert_close(got.float(), want.float(), rtol=1e-2, atol=1e-2 * want.abs().max().item())
+    assert kernels.calls == before + 1
+    two = linear(_rand(2, in_features, seed=11))
+    assert kernels.calls == before + 1 and two.shape == (2, out_features)
+    assert PackedLinear(_rand(100, 64, seed=12), None)._gemv is None

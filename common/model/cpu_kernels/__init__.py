@@ -53,7 +53,9 @@ SIGNATURES: dict[str, list[type]] = {
     "silu_mul_bf16": [_P, _P, _I, _I, _N],
     "rope_kv_bf16": [_P, _I, _P, _I, _P, _I, _I, _I, _I, _I, _P, _P, _P, _P, _I, _I, _I, _N],
     "decode_attention_bf16": [_P, _I, _P, _P, _P, _I, _N, _P, _P, _P, _I, _I, _I, _I, _I, _I, _I, _F, _N],
+    "gemv_packed_bf16": [_P, _P, _P, _P, _I, _I, _N],
 }
+RETURNS_INT = ("decode_attention_bf16", "gemv_packed_bf16")
 
 
 class CpuKernels:
@@ -66,6 +68,7 @@ class CpuKernels:
     silu_mul_bf16: Callable[..., None]
     rope_kv_bf16: Callable[..., None]
     decode_attention_bf16: Callable[..., int]
+    gemv_packed_bf16: Callable[..., int]
 
     def __init__(self, lib: ctypes.CDLL, path: Path) -> None:
         self.lib = lib
@@ -74,7 +77,7 @@ class CpuKernels:
         for name, args in SIGNATURES.items():
             fn = getattr(lib, name)
             fn.argtypes = args
-            fn.restype = ctypes.c_int if name == "decode_attention_bf16" else None
+            fn.restype = ctypes.c_int if name in RETURNS_INT else None
             setattr(self, name, fn)
 
 

@@ -267,3 +267,46 @@ int decode_attention_bf16(const bf16* q, int64_t q_stride, bf16* out, const bf16
   }
   return 0;
 }
+
+/* ---- batch-1 linear on oneDNN's packed weight -------------------------------------------- */
+
+/* y[N] = x[K] @ W^T (+ bias), one row, W as oneDNN packs it for bf16 on AVX-512 (packed_linear:
+ * mkldnn._reorder_linear_weight): "AB16b32a2b" = blocks of 32 outputs x 32 inputs, each block
+ * [16 input pairs][32 outputs][2 inputs], blocks input-fastest. Per input pair one vdpbf16ps
+ * per 16 outputs, every weight byte read once: at one row this streams the weights at the
+ * memory's speed where oneDNN's batch-1 path reached ~60-70% of it. Returns -1 where the CPU or
+ * the compiler has no AVX512-BF16 or the shape is not whole blocks (the caller keeps oneDNN;
+ * PackedLinear checks the numbers against oneDNN once per weight before using it). */
+int gemv_packed_bf16(const bf16* x, const bf16* w, const bf16* bias, bf16* y, int64_t K, int64_t N, int nthreads) {
+#if defined(__AVX512BF16__)
+  if (K % 32 || N % 32) return -1;
+  int64_t nb = N / 32, kb = K / 32;
+  #pragma omp parallel for num_threads(nthreads) if (N * K >= 4 * PAR_MIN_ELEMS) schedule(static)
+  for (int64_t b = 0; b < nb; b++) {
+    const bf16* wb = w + b * kb * 1024;
+    __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps(), c0 = _mm512_setzero_ps(), c1 = _mm512_setzero_ps();
+    for (int64_t kp = 0; kp < K / 2; kp += 2) {
+      const bf16* r0 = wb + (kp >> 4) * 1024 + (kp & 15) * 64;
+      const bf16* r1 = r0 + 64;
+      uint32_t x0, x1;
+      memcpy(&x0, x + 2 * kp, 4);
+      memcpy(&x1, x + 2 * kp + 2, 4);
+      __m512bh b0 = (__m512bh)_mm512_set1_epi32((int)x0), b1 = (__m512bh)_mm512_set1_epi32((int)x1);
+      a0 = _mm512_dpbf16_ps(a0, (__m512bh)_mm512_loadu_si512(r0), b0);
+      a1 = _mm512_dpbf16_ps(a1, (__m512bh)_mm512_loadu_si512(r0 + 32), b0);
+      c0 = _mm512_dpbf16_ps(c0, (__m512bh)_mm512_loadu_si512(r1), b1);
+      c1 = _mm512_dpbf16_ps(c1, (__m512bh)_mm512_loadu_si512(r1 + 32), b1);
+    }
+    a0 = _mm512_add_ps(a0, c0);
+    a1 = _mm512_add_ps(a1, c1);
+    float out[32];
+    _mm512_storeu_ps(out, a0);
+    _mm512_storeu_ps(out + 16, a1);
+    for (int i = 0; i < 32; i++) y[b * 32 + i] = f2bf(bias ? out[i] + bf2f(bias[b * 32 + i]) : out[i]);
+  }
+  return 0;
+#else
+  (void)x; (void)w; (void)bias; (void)y; (void)K; (void)N; (void)nthreads;
+  return -1;
+#endif
+}
