@@ -26,7 +26,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from tests.compat.sglang_bench import bench_serving_root  # noqa: E402
+from tests.compat.sglang_bench import DRIVER, bench_serving_root  # noqa: E402
 
 BACKEND = "sglang-oai"  # /v1/completions, streamed, ignore_eos on: what every OpenAI server serves
 
@@ -66,23 +66,6 @@ class Outcome:
 
     figures: Figures | None
     error: str | None = None
-
-
-# Runs in the client process: argv[1] is {workload: client argv}; each workload's status
-# ("ok" or a traceback) goes to <workload>.status beside its JSONL output.
-DRIVER = """
-import json, sys, traceback
-from pathlib import Path
-import sglang.bench_serving as bench
-for name, argv in json.loads(sys.argv[1]).items():
-    sys.argv = ["sglang.bench_serving", *argv]
-    try:
-        bench.cli_main()
-        status = "ok"
-    except BaseException:
-        status = traceback.format_exc()
-    Path(name + ".status").write_text(status)
-"""
 
 
 def client_argv(w: Workload, url: str, model: str, tokenizer: str, out: Path, request_timeout_s: float) -> list[str]:

@@ -54,3 +54,22 @@ def bench_serving_root() -> Path:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(text)
     return root
+
+
+# The client's own command line (cli_main, as `python -m sglang.bench_serving` runs it), several
+# runs in one process (importing the client: transformers, torch, datasets, ~13 s of CPU, paid
+# once). `python -c DRIVER '{name: client argv}'`: each run's status ("ok" or a traceback) goes
+# to <name>.status in the working directory, so one run's failure leaves the others judged.
+DRIVER = """
+import json, sys, traceback
+from pathlib import Path
+import sglang.bench_serving as bench
+for name, argv in json.loads(sys.argv[1]).items():
+    sys.argv = ["sglang.bench_serving", *argv]
+    try:
+        bench.cli_main()
+        status = "ok"
+    except BaseException:
+        status = traceback.format_exc()
+    Path(name + ".status").write_text(status)
+"""

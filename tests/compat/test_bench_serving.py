@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from tests.compat.cluster import Cluster
-from tests.compat.sglang_bench import bench_serving_root
+from tests.compat.sglang_bench import DRIVER, bench_serving_root
 
 NUM_PROMPTS = 8
 INPUT_LEN = 24
@@ -28,23 +28,8 @@ def bench_root() -> Path:
 
 
 BACKENDS = ("sglang", "sglang-oai", "sglang-oai-chat")
-# One client process runs the three backends one after another, each through the client's own
-# command line (cli_main, as `python -m sglang.bench_serving` runs it): importing the client
-# (transformers, torch, datasets) costs ~13 s of CPU, paid once instead of three times. A
+# One client process (sglang_bench.DRIVER) runs the three backends one after another; a
 # backend's failure is written to its own status file, so the others are still judged.
-DRIVER = """
-import json, sys, traceback
-from pathlib import Path
-import sglang.bench_serving as bench
-for backend, argv in json.loads(sys.argv[1]).items():
-    sys.argv = ["sglang.bench_serving", *argv]
-    try:
-        bench.cli_main()
-        status = "ok"
-    except BaseException:
-        status = traceback.format_exc()
-    Path(backend + ".status").write_text(status)
-"""
 
 
 @dataclass(frozen=True)

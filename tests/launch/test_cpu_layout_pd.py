@@ -7,11 +7,9 @@ from __future__ import annotations
 import os
 import re
 import subprocess
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
-import pytest
 
 from common.cpu_layout import parse_cpu_list
 from tests.launch.pd_launch import PD_SH, PdLaunch
@@ -19,16 +17,6 @@ from tests.launch.test_pd_launch_local import local_args, local_ports
 
 LAYOUT_RE = re.compile(r"core layout on 127\.0\.0\.1: prefill-0 cpus (\S+) \((\d+) threads?\), "
                        r"decode-0 cpus (\S+) \((\d+) threads?\), router/frontends: (\S+)")
-
-
-@pytest.fixture
-def launches() -> Iterator[list[PdLaunch]]:
-    started: list[PdLaunch] = []
-    try:
-        yield started
-    finally:
-        for run in started:
-            run.kill_leftovers()
 
 
 def _children(pid: int) -> list[int]:

@@ -6,7 +6,6 @@ import os
 import socket
 import subprocess
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -37,16 +36,6 @@ def local_args(model: str, ports: dict[str, int], *extra: str) -> list[str]:
     for flag, port in ports.items():
         args += [flag, str(port)]
     return args + list(extra)
-
-
-@pytest.fixture
-def launches() -> Iterator[list[PdLaunch]]:
-    started: list[PdLaunch] = []
-    try:
-        yield started
-    finally:
-        for run in started:
-            run.kill_leftovers()
 
 
 def test_pd_sh_serves_openai_and_sigterm_stops_everything(
