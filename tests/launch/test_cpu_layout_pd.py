@@ -92,8 +92,12 @@ def test_pd_sh_gives_each_engine_disjoint_cpus(tiny_llama_path: str, tmp_path: P
 
 
 def _dry_run(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    # pd.sh hands PDSERVE_*, UCX_* and NIXL_* variables on to every role (`exec env K=V ...`): left
+    # out here, so the commands compared below do not depend on the caller's environment (the suite
+    # runner sets PDSERVE_TEST_START_LOG)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PDSERVE_", "UCX_", "NIXL_"))}
     return subprocess.run(["bash", str(PD_SH), "--dry-run", "--model-path", "/m", "--log-dir", str(tmp_path / "l"),
-                           *args], capture_output=True, text=True, timeout=60)
+                           *args], capture_output=True, text=True, timeout=60, env=env)
 
 
 def test_hosts_file_cpus_place_engines_router_and_frontends(tmp_path: Path) -> None:
