@@ -18,6 +18,7 @@ import zmq
 from nixl._api import nixl_agent, nixl_agent_config
 
 from common.cluster_secret import ClusterSecret
+from common.zmq_curve import RECV_HWM
 from kv_transfer import AuxBuffer, AuxSlotAllocator, KVPoll
 from kv_transfer.messages import (
     PROTOCOL_VERSION,
@@ -40,6 +41,11 @@ SPEC = PoolSpec()
 RSS_SLACK = 20 << 20
 FLOOD_REQUESTS, FLOOD_PAGES = 5000, 2000
 FLOOD_ABORTS, ABORT_REASON = 3000, "x" * 100_000
+# The registered flood's bound: by design prefill may hold RECV_HWM of the flood's messages queued
+# at once (100 kB Aborts: 25.6 MB at the peak) and the heap keeps part of that peak after
+# malloc_trim (fragmentation, more the deeper a loaded box lets the queue fill: 10-15 MiB quiet,
+# 20.9 MiB once in CI under 20 MiB); plus RSS_SLACK. The regression it guards was +816 MiB.
+FLOOD_RSS_BOUND = RECV_HWM * len(ABORT_REASON) + RSS_SLACK
 
 
 class RealDecode:
@@ -200,7 +206,7 @@ def test_spoofed_register_drops_no_peer(prefill: Worker, real_decode: RealDecode
 def test_registered_flood_is_bounded(prefill: Worker, real_decode: RealDecode, fake_agent: nixl_agent) -> None:
     """Item 5: 5,000 TransferRequests x 2,000 page ids and 3,000 Aborts with 100 kB reasons from
     a registered peer grew prefill by 386 + 430 MiB; now every one is answered and refused or
-    held within its bounds, and prefill's RSS stays within 20 MiB."""
+    held within its bounds, and prefill's RSS stays within FLOOD_RSS_BOUND (~44 MiB)."""
     failures = dict(real_decode.mgr.stats()["failures"])
     sock = dealer(prefill.port, SECRET)
     sock.setsockopt(zmq.SNDHWM, 0)
@@ -230,7 +236,7 @@ def test_registered_flood_is_bounded(prefill: Worker, real_decode: RealDecode, f
         prefill.call("trim_heap")
         grown = psutil.Process(prefill.proc.pid).memory_info().rss - rss
         print(f"prefill RSS after the registered flood: {raw / 2**20:+.1f} MiB, after trim {grown / 2**20:+.1f} MiB")
-        assert grown < RSS_SLACK, f"prefill grew {grown / 2**20:.1f} MiB"
+        assert grown < FLOOD_RSS_BOUND, f"prefill grew {grown / 2**20:.1f} MiB"
     finally:
         sock.close()
     real_decode.transfer(prefill)
