@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import importlib.util
 import logging
-import os
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -35,7 +34,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 FUSED_DTYPES = (torch.float16, torch.bfloat16)
-ENV_DISABLE = "PDSERVE_CPU_KERNELS"  # "0": CPU bf16 keeps torch's ops (cpu_kernels.ENV_DISABLE)
 
 
 class TorchOps:
@@ -144,7 +142,7 @@ def select_fused_ops(device: torch.device, dtype: torch.dtype) -> TorchOps:
 
         if device.type in getattr(flashinfer, "PDSERVE_DEVICE_TYPES", ("cuda",)):
             return FlashInferOps(flashinfer)
-    if device.type == "cpu" and dtype == torch.bfloat16 and os.environ.get(ENV_DISABLE, "1") != "0":
+    if device.type == "cpu" and dtype == torch.bfloat16:
         from common.model.cpu_kernels import cpu_kernels
 
         kernels = cpu_kernels()

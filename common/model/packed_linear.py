@@ -33,7 +33,6 @@ C++ GEMM template packs its own way. Measured on the AVX2 EPYC (all 121 linears,
 from __future__ import annotations
 
 import contextlib
-import os
 import threading
 from collections.abc import Callable, Iterator
 
@@ -177,8 +176,6 @@ def _batch1_kernels(linear: PackedLinear) -> CpuKernels | None:
     accumulation order by a few bf16 ulps). None: oneDNN serves batch 1 too."""
     w = linear.packed_weight
     if w.dtype != torch.bfloat16 or linear.in_features % 32 or linear.out_features % 32:
-        return None
-    if os.environ.get("PDSERVE_CPU_KERNELS", "1") == "0":
         return None
     from common.model.cpu_kernels import cpu_kernels
 

@@ -19,7 +19,7 @@ from common.model import cpu_kernels as cpu_kernels_module
 from common.model.attention import AttentionShape, create_attention_backend
 from common.model.config import ModelConfig
 from common.model.cpu_fused_ops import CpuFusedOps
-from common.model.cpu_kernels import cpu_kernels
+from common.model.cpu_kernels import build_cpu_kernels, cpu_kernels
 from common.model.forward_batch import ForwardMode
 from common.model.fused_ops import TorchOps, select_fused_ops
 from common.model.rope import RotaryEmbedding
@@ -142,12 +142,12 @@ def test_fallbacks(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.delenv("PDSERVE_CPU_KERNELS")
     monkeypatch.setenv("PDSERVE_KERNEL_CACHE", str(tmp_path))
     monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
-    cpu_kernels.cache_clear()
+    build_cpu_kernels.cache_clear()
     try:
         assert cpu_kernels() is None
         assert not list(tmp_path.glob("*.so"))
     finally:
-        cpu_kernels.cache_clear()
+        build_cpu_kernels.cache_clear()
     assert cpu_kernels_module.ENV_DISABLE == "PDSERVE_CPU_KERNELS"
 
 

@@ -19,7 +19,6 @@ Runs on any device. Per step (init_forward_metadata) the requests are split:
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
@@ -30,7 +29,6 @@ from common.model.attention.base import AttentionBackend, AttentionShape
 from common.model.cpu_kernels import CpuKernels, cpu_kernels
 from common.model.device_streams import DeviceStreams
 from common.model.forward_batch import ForwardBatch
-from common.model.fused_ops import ENV_DISABLE
 
 # Per-group fixed cost (gather + SDPA call + index ops) in padded K/V rows it is worth.
 GROUP_OVERHEAD_ROWS = 256
@@ -120,8 +118,6 @@ def _decode_kernels(kv_pool: KVPool, req_to_token: torch.Tensor, shape: Attentio
     if kv_pool.device.type != "cpu" or kv_pool.dtype != torch.bfloat16 or req_to_token.dtype not in (torch.int32, torch.int64):
         return None
     if shape.group_size > MAX_FUSED_GROUP or shape.head_dim > MAX_FUSED_HEAD_DIM or not req_to_token.is_contiguous():
-        return None
-    if os.environ.get(ENV_DISABLE, "1") == "0":
         return None
     return cpu_kernels()
 

@@ -114,11 +114,17 @@ def _build(compiler: str) -> Path:
     return out
 
 
-@functools.cache
 def cpu_kernels() -> CpuKernels | None:
-    """The kernels, built on first use (cached per machine); None where they cannot be had."""
+    """The kernels; None with PDSERVE_CPU_KERNELS=0 (read on every call, so every caller
+    honours it as set now) or where they cannot be had."""
     if os.environ.get(ENV_DISABLE, "1") == "0":
         return None
+    return build_cpu_kernels()
+
+
+@functools.cache
+def build_cpu_kernels() -> CpuKernels | None:
+    """The library, built and loaded on first use (cached per machine and per process)."""
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         logger.info("no C compiler: the fused CPU kernels are off (torch's ops run instead)")
