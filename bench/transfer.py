@@ -90,6 +90,19 @@ def churned(num_pages: int, page_size: int, seed: int) -> PageAllocator:
     return alloc
 
 
+def chunk_pages(alloc: PageAllocator, tokens: int, chunk: int) -> list[list[int]]:
+    """The pages of a `tokens`-token request allocated in `chunk`-token pieces, as the
+    schedulers do (prefill: its chunks; decode: the whole prompt), one list per piece."""
+    chunks: list[list[int]] = []
+    last = None
+    for start in range(0, tokens, chunk):
+        slots = alloc.alloc_slots(start, last, chunk, total=tokens)
+        assert slots is not None
+        chunks.append(alloc.pages_of(slots))
+        last = slots[-1]
+    return chunks
+
+
 def wait(handle: KVSender | KVReceiver, at_least: KVPoll, timeout_s: float = 60.0) -> KVPoll:
     """Blocking (no polling thread competes with the transfer for the 2 cores)."""
     state = handle.wait(at_least, timeout_s)
@@ -220,12 +233,7 @@ def request_case(reps: int) -> dict[str, Any]:
     descs, wire, post, e2e, copies = [], [], [], [], []
     try:
         for rep in range(reps + 1):  # the first rep warms up (connection, page faults)
-            chunks, last = [], None
-            for start in range(0, REQUEST_TOKENS, REQUEST_CHUNK):
-                slots = src_alloc.alloc_slots(start, last, REQUEST_CHUNK, total=REQUEST_TOKENS)
-                assert slots is not None
-                chunks.append(src_alloc.pages_of(slots))
-                last = slots[-1]
+            chunks = chunk_pages(src_alloc, REQUEST_TOKENS, REQUEST_CHUNK)
             dst_slots = dst_alloc.alloc_slots(0, None, REQUEST_TOKENS)
             assert dst_slots is not None
             dst = dst_alloc.pages_of(dst_slots)

@@ -69,16 +69,9 @@ def _pages(seed: int, chunk: int) -> list[int]:
     """The request's 64 pages on an allocator churned like a serving pool, allocated in `chunk`-
     token pieces as the schedulers do (prefill: two 512-token chunks; decode: the whole prompt),
     exactly as bench/transfer.py's request case."""
-    from transfer import churned
+    from transfer import chunk_pages, churned
 
-    alloc = churned(NUM_PAGES, POOL["page_size"], seed=seed)
-    pages, last = [], None
-    for start in range(0, TOKENS, chunk):
-        slots = alloc.alloc_slots(start, last, chunk, total=TOKENS)
-        assert slots is not None
-        pages.extend(alloc.pages_of(slots))
-        last = slots[-1]
-    return pages
+    return [p for piece in chunk_pages(churned(NUM_PAGES, POOL["page_size"], seed=seed), TOKENS, chunk) for p in piece]
 
 
 def device_copy_gbps(nbytes: int, device: str, reps: int) -> float:
